@@ -13,3 +13,17 @@ __all__ = [
     "round_to_grid", "apply_hadamard", "hadamard_matrix", "random_signs", "seeded_signs",
     "remove_mean_bias",
 ]
+
+from .convert import (convert_model, fp4_modules, load_rng_state_dict, lora_svd_split, maybe_refresh_lora_svd,
+                      rng_state_dict, swap_linear_layers)
+from .linear import FP4Linear, observe_operands
+from .recipe import PRESET_NAMES, GemmSpec, HadamardSpec, LayerRules, LinearRecipe, Recipe, preset
+from .integration import FP4HfQuantizer, FP4TrainConfig, register as _register
+
+_register()
+
+__all__ += [
+    "FP4Linear", "FP4TrainConfig", "FP4HfQuantizer", "Recipe", "LinearRecipe", "GemmSpec", "HadamardSpec",
+    "LayerRules", "PRESET_NAMES", "preset", "convert_model", "swap_linear_layers", "fp4_modules",
+    "observe_operands", "lora_svd_split", "maybe_refresh_lora_svd", "rng_state_dict", "load_rng_state_dict",
+]

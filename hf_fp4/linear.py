@@ -1,0 +1,241 @@
+"""FP4Linear: an nn.Linear that trains with an FP4 recipe through one autograd function.
+
+The master weight stays a high-precision Parameter (`weight`, the same name as nn.Linear, so PEFT,
+checkpoints and HF tooling see an ordinary Linear).  `FP4LinearFunction` computes the three GEMMs
+of RESEARCH.md, each operand quantized by `quantize_operand` with the spec its GEMM names:
+
+    fprop: y  = Q(x)    Q(W)^T       [T,K] @ [K,N] -> [T,N]
+    dgrad: dx = Q(dy)   Q(W^T)^T     [T,N] @ [N,K] -> [T,K]
+    wgrad: dW = Q(dy^T) Q(x^T)^T     [N,T] @ [T,K] -> [N,K]
+
+The reference backend multiplies the dequantized operands in FP32 (exact products, FP32
+accumulation).  Stochastic rounding and random Hadamard signs come from counter-based seeds
+(recipe seed, layer id, call number, GEMM, operand), so a run is reproducible and a resumed run
+continues the same stream once `sr_calls` is restored (see `rng_state_dict`).
+"""
+from __future__ import annotations
+
+import contextlib
+import zlib
+from typing import Callable
+
+import torch
+from torch import nn
+
+from .hadamard import apply_hadamard, remove_mean_bias, seeded_signs
+from .quantize import fake_quantize
+from .recipe import GemmSpec, HadamardKind, LinearRecipe
+from .spec import QuantSpec, Rounding
+
+# Observers see every quantized operand: fn(module, gemm, role, operand, quantized, spec).
+# Off the hot path: the list is empty unless a test or `hf_fp4.diagnostics` registers one.
+_OBSERVERS: list[Callable] = []
+
+
+@contextlib.contextmanager
+def observe_operands(fn: Callable):
+    """Call fn(module, gemm, role, operand_fp32, quantized_fp32, spec) for every GEMM operand."""
+    _OBSERVERS.append(fn)
+    try:
+        yield fn
+    finally:
+        _OBSERVERS.remove(fn)
+
+
+def _seed(*parts) -> int:
+    return zlib.crc32("/".join(str(p) for p in parts).encode())
+
+
+class FP4Linear(nn.Linear):
+    """nn.Linear trained with a `LinearRecipe` (quantization off = the bf16 baseline path)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
+                 recipe: LinearRecipe | None = None, name: str = "", seed: int = 0,
+                 device=None, dtype=None):
+        super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
+        self.recipe = recipe or LinearRecipe()
+        self.layer_name = name
+        self.seed = seed
+        self.sr_calls = 0          # forward calls so far: the counter behind SR noise and per-step signs
+        self.backend = "reference"
+        self._init_lora(device, dtype)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, recipe: LinearRecipe, name: str = "", seed: int = 0) -> "FP4Linear":
+        """Wrap an existing nn.Linear, sharing its Parameters (no copy; ties and loaded weights kept)."""
+        w = linear.weight
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.in_features, new.out_features = linear.in_features, linear.out_features
+        new.weight = w
+        new.bias = linear.bias
+        new.recipe, new.layer_name, new.seed, new.sr_calls, new.backend = recipe, name, seed, 0, "reference"
+        new._init_lora(w.device, w.dtype)
+        return new
+
+    # ------------------------------------------------------------------------------------------
+    # LoRA-SVD residual compensation (Full-Stack FP4)
+    def _init_lora(self, device, dtype):
+        r = self.recipe.lora_svd_rank
+        if r == 0:
+            self.lora_svd_A = self.lora_svd_B = None
+            return
+        if r > min(self.in_features, self.out_features):
+            raise ValueError(f"{self.layer_name or 'FP4Linear'}: lora_svd_rank={r} exceeds "
+                             f"min(in, out) = {min(self.in_features, self.out_features)}")
+        self.lora_svd_A = nn.Parameter(torch.zeros(r, self.in_features, device=device, dtype=dtype))
+        self.lora_svd_B = nn.Parameter(torch.zeros(self.out_features, r, device=device, dtype=dtype))
+
+    @torch.no_grad()
+    def lora_svd_split(self, fresh: bool = False) -> None:
+        """Split W = W_res + B A by a rank-r truncated SVD: B = U_r S_r^1/2, A = S_r^1/2 V_r^T.
+
+        With fresh=False the current B A is folded back first (a periodic re-split); fresh=True
+        treats `weight` as the whole matrix (after loading a checkpoint without the factors).
+        """
+        if self.lora_svd_A is None:
+            return
+        full = self.weight.float()
+        if not fresh:
+            full = full + self.lora_svd_B.float() @ self.lora_svd_A.float()
+        u, s, vh = torch.linalg.svd(full, full_matrices=False)
+        r = self.recipe.lora_svd_rank
+        root = s[:r].sqrt()
+        b, a = u[:, :r] * root, root[:, None] * vh[:r]
+        self.lora_svd_B.copy_(b)
+        self.lora_svd_A.copy_(a)
+        self.weight.copy_(full - self.lora_svd_B.float() @ self.lora_svd_A.float())
+
+    def merged_weight(self) -> torch.Tensor:
+        """W_res + B A (the high-precision weight the layer represents)."""
+        if self.lora_svd_A is None:
+            return self.weight
+        return self.weight + self.lora_svd_B @ self.lora_svd_A
+
+    # ------------------------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        call = self.sr_calls
+        if torch.is_grad_enabled():
+            self.sr_calls += 1
+        y = FP4LinearFunction.apply(x, self.weight, self.bias, self, call)
+        if self.lora_svd_A is not None:
+            y = y + nn.functional.linear(nn.functional.linear(x, self.lora_svd_A), self.lora_svd_B)
+        return y
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, recipe={recipe_label(self.recipe)}"
+
+    # ------------------------------------------------------------------------------------------
+    def hadamard_signs(self, gemm: GemmSpec, call: int) -> torch.Tensor | None:
+        h = gemm.hadamard
+        if h.kind is HadamardKind.RANDOM_FIXED:
+            return seeded_signs(h.size, self.seed)
+        if h.kind is HadamardKind.RANDOM_PER_STEP:
+            return seeded_signs(h.size, _seed(self.seed, self.layer_name, call, "rht"))
+        return None
+
+    def quantize_operand(self, t: torch.Tensor, spec: QuantSpec | None, gemm_name: str, role: str,
+                         call: int) -> torch.Tensor:
+        """One GEMM operand ([rows, contraction], already rotated) -> FP32 (fake-quantized) values."""
+        tf = t.float()
+        if spec is None:
+            q = tf
+        else:
+            gen = None
+            if spec.rounding is Rounding.STOCHASTIC:
+                gen = torch.Generator(device=t.device)
+                gen.manual_seed(_seed(self.seed, self.layer_name, call, gemm_name, role))
+            q = fake_quantize(tf, spec, gen)
+        for fn in _OBSERVERS:
+            fn(self, gemm_name, role, tf, q, spec)
+        return q
+
+    def gemm_operands(self, gemm_name: str, lhs: torch.Tensor, rhs: torch.Tensor, call: int):
+        """Rotate (if the GEMM asks) and quantize both operands of one GEMM."""
+        gemm = self.recipe.gemm(gemm_name)
+        signs = self.hadamard_signs(gemm, call)
+        if gemm.hadamard.enabled:
+            lhs = apply_hadamard(lhs, gemm.hadamard.size, signs)
+            rhs = apply_hadamard(rhs, gemm.hadamard.size, signs)
+        return (self.quantize_operand(lhs, gemm.lhs, gemm_name, "lhs", call),
+                self.quantize_operand(rhs, gemm.rhs, gemm_name, "rhs", call))
+
+    def gemm(self, gemm_name: str, lhs: torch.Tensor, rhs: torch.Tensor, call: int) -> torch.Tensor:
+        """lhs @ rhs^T with both operands as the recipe says; an unquantized GEMM runs in their dtype."""
+        if not self.recipe.gemm(gemm_name).quantized:
+            return lhs @ rhs.t().to(lhs.dtype)  # dtypes differ when the forward ran under autocast
+        a, b = self.gemm_operands(gemm_name, lhs, rhs, call)
+        return a @ b.t()
+
+    def reuses_fprop_weight(self) -> bool:
+        """2D weights quantized once: dgrad reuses Q(W)^T from fprop (transposition invariance)."""
+        f, d = self.recipe.fprop, self.recipe.dgrad
+        return (f.rhs is not None and f.rhs == d.rhs and f.rhs.is_2d and f.rhs.rounding is Rounding.NEAREST
+                and not f.hadamard.enabled and not d.hadamard.enabled)
+
+
+def recipe_label(recipe: LinearRecipe) -> str:
+    if not recipe.quantized:
+        return "bf16"
+    return "/".join(f"{g}:{recipe.gemm(g).lhs is not None:d}{recipe.gemm(g).rhs is not None:d}"
+                    for g in ("fprop", "dgrad", "wgrad"))
+
+
+def _out_dtype(x: torch.Tensor) -> torch.dtype:
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
+class FP4LinearFunction(torch.autograd.Function):
+    """The three GEMMs of one FP4Linear step (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, module: FP4Linear, call: int):
+        recipe = module.recipe
+        k, n = module.in_features, module.out_features
+        x2 = x.reshape(-1, k)
+        mu = None
+        if recipe.mean_bias_removal:
+            x2, mu = remove_mean_bias(x2)
+        # fprop: y = Q(x) Q(W)^T    [T,K] @ [K,N] -> [T,N]
+        if not recipe.fprop.quantized and mu is None:
+            y, wq = nn.functional.linear(x2, weight, bias), None  # quantization off: exactly nn.Linear
+        else:
+            xq, wq = module.gemm_operands("fprop", x2, weight, call)
+            y = xq @ wq.t()
+            if mu is not None:
+                y = y + mu @ weight.float().t()  # rank-one mean term, high precision
+            if bias is not None:
+                y = y + bias.float()
+        ctx.module, ctx.call = module, call
+        ctx.x_shape, ctx.x_dtype, ctx.has_bias = x.shape, x.dtype, bias is not None
+        ctx.save_for_backward(x2, weight, mu, wq if wq is not None and module.reuses_fprop_weight() else None)
+        return y.to(_out_dtype(x)).reshape(*x.shape[:-1], n)
+
+    @staticmethod
+    def backward(ctx, dy):
+        module, call = ctx.module, ctx.call
+        x2, weight, mu, wq = ctx.saved_tensors
+        dy2 = dy.reshape(-1, module.out_features)
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            # dgrad: dx = Q(dy) Q(W^T)^T    [T,N] @ [N,K] -> [T,K]
+            if wq is not None:
+                dyq = module.quantize_operand(dy2, module.recipe.dgrad.lhs, "dgrad", "lhs", call)
+                wtq = wq.t()
+                for fn in _OBSERVERS:
+                    fn(module, "dgrad", "rhs", weight.float().t(), wtq, module.recipe.dgrad.rhs)
+                dx = dyq @ wtq.t()
+            else:
+                dx = module.gemm("dgrad", dy2, weight.t(), call)
+            dx = dx.to(ctx.x_dtype).reshape(ctx.x_shape)
+        if ctx.needs_input_grad[1]:
+            # wgrad: dW = Q(dy^T) Q(x^T)^T    [N,T] @ [T,K] -> [N,K]
+            dw = module.gemm("wgrad", dy2.t(), x2.t(), call)
+            if mu is not None:
+                dw = dw.float() + dy2.float().sum(0)[:, None] * mu[None, :]
+            dw = dw.to(weight.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = dy2.sum(0).to(weight.dtype)
+        return dx, dw, db, None, None

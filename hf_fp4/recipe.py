@@ -1,0 +1,331 @@
+"""Recipes as data: per-GEMM operand specs, Hadamard, mean-bias removal, LoRA-SVD and layer rules.
+
+A linear layer y = x W^T trains with three GEMMs (RESEARCH.md, "The three training GEMMs"):
+
+    fprop: y  = Q(x)    Q(W)^T       [T,K] @ [K,N] -> [T,N]   contraction K (in-features)
+    dgrad: dx = Q(dy)   Q(W^T)^T     [T,N] @ [N,K] -> [T,K]   contraction N (out-features)
+    wgrad: dW = Q(dy^T) Q(x^T)^T     [N,T] @ [T,K] -> [N,K]   contraction T (tokens)
+
+Each GEMM has a `GemmSpec`: a QuantSpec (or None = high precision) for its left operand (x, dy, dy^T)
+and right operand (W, W^T, x^T), blocks along that GEMM's contraction dimension, plus a Hadamard
+rotation applied to both operands along the same dimension.  A `LinearRecipe` holds the three GEMMs
+and the layer-level options; a `Recipe` adds the rules that pick which modules get which recipe.
+
+Presets (the README shows the same table):
+
+| preset   | fprop x / W              | dgrad dy / W^T          | wgrad dy^T / x^T          | Hadamard            |
+|----------|--------------------------|-------------------------|---------------------------|---------------------|
+| bf16     | -                        | -                       | -                         | -                   |
+| nvfp4    | nvfp4 / nvfp4_2d         | nvfp4 SR / nvfp4_2d     | nvfp4 SR / nvfp4          | RHT-16 fixed, wgrad |
+| mxfp4    | mxfp4 / mxfp4            | mxfp4 / mxfp4           | mxfp4 / mxfp4             | -                   |
+| mxfp4_dh | mxfp4 / mxfp4            | mxfp4 / mxfp4           | mxfp4 / mxfp4             | H-32 determ., wgrad |
+| ufp4     | ufp4 / ufp4              | ufp4 SR / ufp4          | ufp4 SR / ufp4            | RHT-16 fixed, all   |
+| tib      | mxfp4_2d_up / same       | SR / mxfp4_2d_up        | SR / mxfp4_2d_up          | -  (q,k_proj: mxfp8)|
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import fnmatch
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from .hadamard import HADAMARD_SIZES
+from .spec import QuantSpec, as_spec
+
+GEMMS = ("fprop", "dgrad", "wgrad")
+OPERANDS = {"fprop": ("x", "w"), "dgrad": ("dy", "w"), "wgrad": ("dy", "x")}
+
+
+class HadamardKind(str, enum.Enum):
+    NONE = "none"
+    DETERMINISTIC = "deterministic"      # plain Sylvester H_n (AMD MXFP4 study)
+    RANDOM_FIXED = "random_fixed"        # diag(s) H_n, one sign vector for the run (NVIDIA / TE)
+    RANDOM_PER_STEP = "random_per_step"  # a new sign vector at every call
+
+
+def _enum(cls, value, where):
+    try:
+        return cls(value)
+    except ValueError:
+        valid = ", ".join(m.value for m in cls)
+        raise ValueError(f"{where}: unknown value {value!r}; valid: {valid}") from None
+
+
+def _spec_or_none(value, where) -> QuantSpec | None:
+    if value is None or value == "none":
+        return None
+    if isinstance(value, dict):
+        return QuantSpec.from_dict(value)
+    try:
+        return as_spec(value)
+    except ValueError as err:
+        raise ValueError(f"{where}: {err}") from None
+
+
+@dataclass(frozen=True)
+class HadamardSpec:
+    kind: HadamardKind = HadamardKind.NONE
+    size: int = 16
+
+    def __post_init__(self):
+        object.__setattr__(self, "kind", _enum(HadamardKind, self.kind, "HadamardSpec.kind"))
+        if self.size not in HADAMARD_SIZES:
+            raise ValueError(f"HadamardSpec.size: {self.size} not in {HADAMARD_SIZES}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.kind is not HadamardKind.NONE
+
+    def to_dict(self):
+        return {"kind": self.kind.value, "size": self.size}
+
+
+@dataclass(frozen=True)
+class GemmSpec:
+    """One GEMM: left operand (x, dy, dy^T), right operand (W, W^T, x^T), Hadamard on both."""
+
+    lhs: QuantSpec | None = None
+    rhs: QuantSpec | None = None
+    hadamard: HadamardSpec = HadamardSpec()
+
+    def __post_init__(self):
+        object.__setattr__(self, "lhs", _spec_or_none(self.lhs, "GemmSpec.lhs"))
+        object.__setattr__(self, "rhs", _spec_or_none(self.rhs, "GemmSpec.rhs"))
+        if isinstance(self.hadamard, dict):
+            object.__setattr__(self, "hadamard", HadamardSpec(**self.hadamard))
+        elif isinstance(self.hadamard, str):
+            object.__setattr__(self, "hadamard", HadamardSpec(self.hadamard))
+
+    @property
+    def quantized(self) -> bool:
+        return self.lhs is not None or self.rhs is not None
+
+    def to_dict(self):
+        return {"lhs": self.lhs.to_dict() if self.lhs else None,
+                "rhs": self.rhs.to_dict() if self.rhs else None, "hadamard": self.hadamard.to_dict()}
+
+
+@dataclass(frozen=True)
+class LinearRecipe:
+    """How one FP4Linear trains: three GEMMs plus layer options."""
+
+    fprop: GemmSpec = GemmSpec()
+    dgrad: GemmSpec = GemmSpec()
+    wgrad: GemmSpec = GemmSpec()
+    mean_bias_removal: bool = False   # subtract the token mean of x (fprop and wgrad), add it back exactly
+    lora_svd_rank: int = 0            # Full-Stack FP4: W = W_res + B A, W_res quantized, A and B not
+    lora_svd_refresh_every: int = 0   # re-split every N optimizer steps (0 = never)
+
+    def __post_init__(self):
+        for name in GEMMS:
+            value = getattr(self, name)
+            if isinstance(value, dict):
+                object.__setattr__(self, name, GemmSpec(**value))
+            elif not isinstance(value, GemmSpec):
+                raise ValueError(f"LinearRecipe.{name} must be a GemmSpec or dict, got {type(value).__name__}")
+        if self.lora_svd_rank < 0 or self.lora_svd_refresh_every < 0:
+            raise ValueError("lora_svd_rank and lora_svd_refresh_every must be >= 0")
+
+    def gemm(self, name: str) -> GemmSpec:
+        return getattr(self, name)
+
+    @property
+    def quantized(self) -> bool:
+        return any(self.gemm(g).quantized for g in GEMMS)
+
+    def operand_specs(self) -> list[QuantSpec]:
+        return [s for g in GEMMS for s in (self.gemm(g).lhs, self.gemm(g).rhs) if s is not None]
+
+    def to_dict(self):
+        out = {g: self.gemm(g).to_dict() for g in GEMMS}
+        out.update(mean_bias_removal=self.mean_bias_removal, lora_svd_rank=self.lora_svd_rank,
+                   lora_svd_refresh_every=self.lora_svd_refresh_every)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "LinearRecipe":
+        _check_keys(cls, data)
+        return cls(**data)
+
+    def with_options(self, *, gemms: tuple[str, ...] | None = None, hadamard: str | None = None,
+                     hadamard_size: int | None = None, grid: str | None = None,
+                     mean_bias_removal: bool | None = None, lora_svd_rank: int | None = None,
+                     lora_svd_refresh_every: int | None = None) -> "LinearRecipe":
+        """The ablation switches: which GEMMs stay quantized, Hadamard kind/size, element grid, ..."""
+        changes: dict[str, Any] = {}
+        for name in GEMMS:
+            g = self.gemm(name)
+            if gemms is not None:
+                unknown = set(gemms) - set(GEMMS)
+                if unknown:
+                    raise ValueError(f"unknown GEMM(s) {sorted(unknown)}; valid: {', '.join(GEMMS)}")
+                if name not in gemms:
+                    g = GemmSpec()
+            if grid is not None:
+                g = dataclasses.replace(g, lhs=g.lhs and dataclasses.replace(g.lhs, grid=grid),
+                                        rhs=g.rhs and dataclasses.replace(g.rhs, grid=grid))
+            if hadamard is not None or hadamard_size is not None:
+                kind = hadamard if hadamard is not None else g.hadamard.kind
+                size = hadamard_size if hadamard_size is not None else g.hadamard.size
+                g = dataclasses.replace(g, hadamard=HadamardSpec(kind, size) if g.quantized else HadamardSpec())
+            changes[name] = g
+        for key, value in (("mean_bias_removal", mean_bias_removal), ("lora_svd_rank", lora_svd_rank),
+                           ("lora_svd_refresh_every", lora_svd_refresh_every)):
+            if value is not None:
+                changes[key] = value
+        return dataclasses.replace(self, **changes)
+
+
+def _check_keys(cls, data):
+    valid = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(data) - valid
+    if unknown:
+        raise ValueError(f"{cls.__name__}: unknown key(s) {sorted(unknown)}; valid: {', '.join(sorted(valid))}")
+
+
+@dataclass(frozen=True)
+class LayerRules:
+    """Which nn.Linear modules are converted, and with which recipe.
+
+    skip: name patterns (fnmatch on the full name, or a plain suffix) never converted; embeddings are
+    not nn.Linear and are never touched.  keep_first_blocks / keep_last_blocks: decoder blocks
+    (`...layers.<i>.`) kept in high precision.  overrides: pattern -> recipe (preset name or dict)
+    for matching modules, e.g. {"*q_proj": "mxfp8"}.
+    """
+
+    skip: tuple[str, ...] = ("lm_head",)
+    keep_first_blocks: int = 0
+    keep_last_blocks: int = 0
+    overrides: tuple[tuple[str, Any], ...] = ()
+
+    def __post_init__(self):
+        object.__setattr__(self, "skip", tuple(self.skip))
+        overrides = self.overrides.items() if isinstance(self.overrides, dict) else self.overrides
+        object.__setattr__(self, "overrides", tuple((str(p), r) for p, r in overrides))
+        if self.keep_first_blocks < 0 or self.keep_last_blocks < 0:
+            raise ValueError("keep_first_blocks / keep_last_blocks must be >= 0")
+        for pattern, recipe in self.overrides:
+            linear_recipe(recipe)  # validate now, not at step 1000
+
+    def to_dict(self):
+        return {"skip": list(self.skip), "keep_first_blocks": self.keep_first_blocks,
+                "keep_last_blocks": self.keep_last_blocks,
+                "overrides": {p: (r if isinstance(r, (str, dict)) else r.to_dict()) for p, r in self.overrides}}
+
+
+def name_matches(name: str, pattern: str) -> bool:
+    return fnmatch.fnmatchcase(name, pattern) or name == pattern or name.endswith("." + pattern)
+
+
+_BLOCK_INDEX = re.compile(r"(?:^|\.)(?:layers|h|blocks|layer)\.(\d+)\.")
+
+
+def block_index(name: str) -> int | None:
+    m = _BLOCK_INDEX.search(name)
+    return int(m.group(1)) if m else None
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A named training recipe: the default LinearRecipe, layer rules and the seed for SR / RHT."""
+
+    name: str = "custom"
+    linear: LinearRecipe = LinearRecipe()
+    rules: LayerRules = LayerRules()
+    seed: int = 0
+
+    def __post_init__(self):
+        if isinstance(self.linear, dict):
+            object.__setattr__(self, "linear", LinearRecipe.from_dict(self.linear))
+        if isinstance(self.rules, dict):
+            _check_keys(LayerRules, self.rules)
+            object.__setattr__(self, "rules", LayerRules(**self.rules))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "linear": self.linear.to_dict(), "rules": self.rules.to_dict(),
+                "seed": self.seed}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Recipe":
+        _check_keys(cls, data)
+        return cls(**data)
+
+    def recipe_for(self, name: str, num_blocks: int | None) -> LinearRecipe | None:
+        """The LinearRecipe of module `name`, or None to leave it unconverted."""
+        rules = self.rules
+        if any(name_matches(name, p) for p in rules.skip):
+            return None
+        idx = block_index(name)
+        if idx is not None and (idx < rules.keep_first_blocks or
+                                (num_blocks is not None and idx >= num_blocks - rules.keep_last_blocks)):
+            return LinearRecipe()  # converted, quantization off (same code path as bf16)
+        for pattern, recipe in rules.overrides:
+            if name_matches(name, pattern):
+                return linear_recipe(recipe)
+        return self.linear
+
+
+# ----------------------------------------------------------------------------------------------
+# Presets
+def _gemm(lhs, rhs, hadamard=HadamardSpec(), *, sr_lhs=False):
+    lhs = as_spec(lhs)
+    if sr_lhs:
+        lhs = dataclasses.replace(lhs, rounding="stochastic")
+    return GemmSpec(lhs, as_spec(rhs), hadamard)
+
+
+def _uniform(spec: str, hadamard=HadamardSpec(), sr_grads=False, wgrad_hadamard=None) -> LinearRecipe:
+    return LinearRecipe(
+        fprop=_gemm(spec, spec, hadamard),
+        dgrad=_gemm(spec, spec, hadamard, sr_lhs=sr_grads),
+        wgrad=_gemm(spec, spec, wgrad_hadamard or hadamard, sr_lhs=sr_grads))
+
+
+def _nvfp4() -> LinearRecipe:
+    rht16 = HadamardSpec("random_fixed", 16)
+    return LinearRecipe(fprop=_gemm("nvfp4", "nvfp4_2d"),
+                        dgrad=_gemm("nvfp4", "nvfp4_2d", sr_lhs=True),
+                        wgrad=_gemm("nvfp4", "nvfp4", rht16, sr_lhs=True))
+
+
+LINEAR_PRESETS = {
+    "bf16": LinearRecipe,
+    "nvfp4": _nvfp4,
+    "mxfp4": lambda: _uniform("mxfp4"),
+    "mxfp4_dh": lambda: _uniform("mxfp4", wgrad_hadamard=HadamardSpec("deterministic", 32)),
+    "ufp4": lambda: _uniform("ufp4", HadamardSpec("random_fixed", 16), sr_grads=True),
+    "tib": lambda: _uniform("mxfp4_2d_up", sr_grads=True),
+    "mxfp8": lambda: _uniform("mxfp8"),
+}
+
+def linear_recipe(value: "str | dict | LinearRecipe") -> LinearRecipe:
+    if isinstance(value, LinearRecipe):
+        return value
+    if isinstance(value, dict):
+        return LinearRecipe.from_dict(value)
+    if value not in LINEAR_PRESETS:
+        raise ValueError(f"unknown recipe {value!r}; valid presets: {', '.join(LINEAR_PRESETS)}")
+    return LINEAR_PRESETS[value]()
+
+
+RECIPE_RULES = {"tib": LayerRules(overrides=(("*q_proj", "mxfp8"), ("*k_proj", "mxfp8")))}
+
+
+def preset(name: str, **options) -> Recipe:
+    """A preset Recipe; `options` are LinearRecipe.with_options switches plus `seed`, `rules`."""
+    seed = options.pop("seed", 0)
+    rules = options.pop("rules", None)
+    linear = linear_recipe(name)
+    if options:
+        linear = linear.with_options(**options)
+    if rules is None:
+        rules = RECIPE_RULES.get(name, LayerRules())
+    elif isinstance(rules, dict):
+        _check_keys(LayerRules, rules)
+        rules = LayerRules(**{**RECIPE_RULES.get(name, LayerRules()).to_dict(), **rules})
+    return Recipe(name=name, linear=linear, rules=rules, seed=seed)
+
+
+PRESET_NAMES = tuple(n for n in LINEAR_PRESETS if n != "mxfp8")

@@ -1,0 +1,1 @@
+"""Triton quantization and GEMM kernels (hf_fp4.kernels)."""
