@@ -27,3 +27,7 @@ __all__ += [
     "LayerRules", "PRESET_NAMES", "preset", "convert_model", "swap_linear_layers", "fp4_modules",
     "observe_operands", "lora_svd_split", "maybe_refresh_lora_svd", "rng_state_dict", "load_rng_state_dict",
 ]
+
+from .diagnostics import collect_diagnostics  # noqa: E402
+
+__all__ += ["collect_diagnostics"]

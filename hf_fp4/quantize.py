@@ -105,13 +105,17 @@ def block_amax(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     return tiles.amax(dim=(1, 3))
 
 
+class NonFiniteError(ValueError):
+    """A quantizer met NaN/Inf input under the default nonfinite="raise" policy."""
+
+
 def check_finite(x: torch.Tensor, spec: QuantSpec) -> torch.Tensor | None:
     """Raise on NaN/Inf unless the spec propagates them; return the non-finite mask (or None)."""
     bad = ~torch.isfinite(x)
     if not bad.any():
         return None
     if spec.nonfinite is NonFinite.RAISE:
-        raise ValueError(f"quantize: input has {int(bad.sum())} NaN/Inf value(s); pass a QuantSpec with "
+        raise NonFiniteError(f"quantize: input has {int(bad.sum())} NaN/Inf value(s); pass a QuantSpec with "
                          "nonfinite='propagate' to turn their blocks into NaN instead")
     return bad
 

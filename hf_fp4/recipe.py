@@ -212,7 +212,8 @@ class LayerRules:
     def to_dict(self):
         return {"skip": list(self.skip), "keep_first_blocks": self.keep_first_blocks,
                 "keep_last_blocks": self.keep_last_blocks,
-                "overrides": {p: (r if isinstance(r, (str, dict)) else r.to_dict()) for p, r in self.overrides}}
+                # a list of [pattern, recipe] pairs: the first match wins, so order is kept
+                "overrides": [[p, r if isinstance(r, (str, dict)) else r.to_dict()] for p, r in self.overrides]}
 
 
 def name_matches(name: str, pattern: str) -> bool:

@@ -1,0 +1,125 @@
+"""The typed pretraining config: YAML file + `key=value` overrides, validated before the first step."""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .recipe import PRESET_NAMES
+
+
+@dataclass
+class TrainConfig:
+    # model: an architecture name ("llama", "qwen2", ... any AutoConfig model_type) plus its config keys
+    model: dict[str, Any] = field(default_factory=lambda: {"model_type": "llama"})
+    recipe: str = "bf16"                          # an hf_fp4 preset (hf_fp4.PRESET_NAMES)
+    recipe_options: dict[str, Any] = field(default_factory=dict)  # FP4TrainConfig options (gemms, hadamard, ...)
+    # data
+    dataset: Any = "builtin"                      # "builtin" | {"files": [...]} | {"hub": name, ...}
+    tokenizer: str = "builtin"                    # "builtin" (BPE trained on the corpus) or an HF tokenizer
+    vocab_size: int = 8192                        # of the built-in tokenizer
+    val_fraction: float = 0.02                    # documents held out for validation
+    seq_len: int = 256
+    # optimisation
+    batch_size: int = 16                          # sequences per micro-batch per process
+    grad_accum: int = 1
+    max_steps: int = 200
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 20
+    schedule: str = "cosine"                      # cosine | wsd | constant
+    wsd_decay_fraction: float = 0.2               # WSD: the last fraction of steps decays linearly
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    seed: int = 0
+    mixed_precision: str = "auto"                 # auto (bf16 on GPU, no on CPU) | bf16 | no
+    # bookkeeping
+    output_dir: str = "runs/default"
+    eval_every: int = 50
+    eval_batches: int = 8
+    log_every: int = 1
+    checkpoint_every: int = 100
+    keep_checkpoints: int = 2
+    max_bad_steps: int = 5                        # non-finite steps in a row before aborting
+    trackers: list[str] = field(default_factory=lambda: ["tensorboard"])
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        if self.recipe not in PRESET_NAMES:
+            raise ValueError(f"recipe={self.recipe!r}: unknown; valid presets: {', '.join(PRESET_NAMES)}")
+        choices = {"schedule": ("cosine", "wsd", "constant"), "mixed_precision": ("auto", "bf16", "no")}
+        for key, valid in choices.items():
+            if getattr(self, key) not in valid:
+                raise ValueError(f"{key}={getattr(self, key)!r}: valid values are {', '.join(valid)}")
+        positive = ("seq_len", "batch_size", "grad_accum", "max_steps", "eval_every", "eval_batches",
+                    "log_every", "checkpoint_every", "keep_checkpoints", "max_bad_steps", "vocab_size")
+        for key in positive:
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
+        if not 0 < self.val_fraction < 1:
+            raise ValueError(f"val_fraction must be in (0, 1), got {self.val_fraction}")
+        if "model_type" not in self.model:
+            raise ValueError("model needs a model_type (e.g. llama, qwen2)")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "TrainConfig":
+        hints = typing.get_type_hints(cls)
+        for key, value in data.items():
+            if key not in hints:
+                close = difflib.get_close_matches(key, hints, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise ValueError(f"unknown config key {key!r}{hint}; valid keys: {', '.join(hints)}")
+            _check_type(key, value, hints[key])
+        return cls(**data)
+
+
+def _check_type(key: str, value: Any, hint: Any) -> None:
+    origin = typing.get_origin(hint) or hint
+    if hint is Any:
+        return
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return
+    if origin in (int, float, str, bool) and (not isinstance(value, origin) or
+                                               (origin is int and isinstance(value, bool))):
+        raise ValueError(f"config key {key!r} must be {origin.__name__}, got {type(value).__name__} {value!r}")
+    if origin in (dict, list) and not isinstance(value, origin):
+        raise ValueError(f"config key {key!r} must be a {origin.__name__}, got {type(value).__name__}")
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    if "=" not in text:
+        raise ValueError(f"override {text!r} must look like key=value (e.g. recipe=nvfp4, model.hidden_size=256)")
+    key, raw = text.split("=", 1)
+    return key.strip().split("."), yaml.safe_load(raw)
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConfig:
+    """A TrainConfig from a YAML file plus dotted `key=value` overrides (values parsed as YAML)."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        if not Path(path).exists():
+            raise FileNotFoundError(f"config file {path} not found")
+        data = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: the config must be a mapping")
+    for text in overrides:
+        keys, value = parse_override(text)
+        target = data
+        for k in keys[:-1]:
+            target = target.setdefault(k, {})
+            if not isinstance(target, dict):
+                raise ValueError(f"override {text!r}: {k} is not a mapping")
+        target[keys[-1]] = value
+    return TrainConfig.from_dict(data)

@@ -1,0 +1,319 @@
+"""The pretraining loop: one flat loop over micro-steps with accelerate (nanoGPT spirit).
+
+    for step in range(start, max_steps):
+        micro-steps (grad accumulation) -> clip -> skip if non-finite -> optimizer / scheduler step
+        every log_every:        one log line + metrics.jsonl record (+ trackers)
+        every eval_every:       validation loss / perplexity on fixed held-out windows
+        every checkpoint_every: accelerate save_state into checkpoints/step_<N>/, atomically
+
+Checkpoints hold model, optimizer, scheduler, RNG states (accelerate) and the run state (step, data
+position, SR call counters, non-finite streak); `resume=True` continues from the newest complete one,
+so the remaining losses equal an uninterrupted run's.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from .convert import fp4_modules, load_rng_state_dict, maybe_refresh_lora_svd, rng_state_dict
+from .data import TokenWindows, atomic_write_text, fingerprint, prepare_data
+from .integration import FP4TrainConfig
+from .quantize import NonFiniteError
+from .train_config import TrainConfig
+
+COMPLETE = "COMPLETE.json"
+
+
+class RunState:
+    """What accelerate does not know: step, data position, SR counters, non-finite streak."""
+
+    def __init__(self, model):
+        self.model = model
+        self.step = 0
+        self.position = 0
+        self.bad_in_row = 0
+        self.skipped = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "position": self.position, "bad_in_row": self.bad_in_row,
+                "skipped": self.skipped, "sr_calls": rng_state_dict(self.model)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step, self.position = state["step"], state["position"]
+        self.bad_in_row, self.skipped = state["bad_in_row"], state["skipped"]
+        load_rng_state_dict(self.model, state["sr_calls"])
+
+
+def run_fingerprint(cfg: TrainConfig) -> str:
+    """What must match for a checkpoint to belong to this run (not output_dir / max_steps / logging)."""
+    skip = {"output_dir", "max_steps", "eval_every", "log_every", "checkpoint_every", "keep_checkpoints",
+            "trackers", "eval_batches"}
+    return fingerprint({k: v for k, v in cfg.to_dict().items() if k not in skip})
+
+
+def build_model(cfg: TrainConfig, vocab_size: int):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kwargs = dict(cfg.model)
+    model_type = kwargs.pop("model_type")
+    kwargs.setdefault("vocab_size", vocab_size)
+    if kwargs["vocab_size"] < vocab_size:
+        raise ValueError(f"model.vocab_size={kwargs['vocab_size']} is smaller than the tokenizer's "
+                         f"{vocab_size} tokens; drop model.vocab_size (it defaults to the tokenizer's)")
+    try:
+        hf_config = AutoConfig.for_model(model_type, **kwargs)
+    except ValueError as err:
+        raise ValueError(f"model.model_type={model_type!r}: {err}") from None
+    max_pos = getattr(hf_config, "max_position_embeddings", None)
+    if max_pos is not None and cfg.seq_len > max_pos:
+        raise ValueError(f"seq_len={cfg.seq_len} exceeds the model's max_position_embeddings={max_pos}; "
+                         "lower seq_len or raise model.max_position_embeddings")
+    qc = FP4TrainConfig(cfg.recipe, seed=cfg.seed, **cfg.recipe_options)
+    torch.manual_seed(cfg.seed)
+    return AutoModelForCausalLM.from_config(hf_config, quantization_config=qc)
+
+
+def lr_factor(step: int, cfg: TrainConfig) -> float:
+    """Warmup, then cosine / WSD / constant down to min_lr_ratio."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return 1.0
+    if cfg.schedule == "wsd":
+        decay_start = int(cfg.max_steps * (1 - cfg.wsd_decay_fraction))
+        if step < decay_start:
+            return 1.0
+        frac = (step - decay_start) / max(1, cfg.max_steps - decay_start)
+        return 1.0 - (1.0 - cfg.min_lr_ratio) * frac
+    progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def compute_loss(model, tokens: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy of [B, L + 1] token windows."""
+    logits = model(input_ids=tokens[:, :-1]).logits
+    return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
+                                             tokens[:, 1:].reshape(-1))
+
+
+@torch.no_grad()
+def evaluate(model, windows: TokenWindows, cfg: TrainConfig, device) -> float:
+    model.eval()
+    n = min(cfg.eval_batches * cfg.batch_size, windows.num_windows)
+    losses = []
+    for start in range(0, n, cfg.batch_size):
+        tokens = windows.batch(start, min(cfg.batch_size, n - start)).to(device)
+        losses.append(compute_loss(model, tokens).item())
+    model.train()
+    return sum(losses) / len(losses)
+
+
+def complete_checkpoints(run_dir: Path) -> list[Path]:
+    ckpts = [p for p in (run_dir / "checkpoints").glob("step_*") if (p / COMPLETE).exists()]
+    return sorted(ckpts, key=lambda p: int(p.name.split("_")[1]))
+
+
+def check_output_dir(run_dir: Path, cfg: TrainConfig, resume: bool, overwrite: bool) -> Path | None:
+    """Refuse to clobber another run; return the checkpoint to resume from (if any)."""
+    has_run = (run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists()
+    if overwrite and run_dir.exists():
+        shutil.rmtree(run_dir)
+        return None
+    if not has_run:
+        return None
+    if not resume:
+        raise FileExistsError(f"{run_dir} already holds a run; pass --resume to continue it or --overwrite "
+                              "to start over (its files would be deleted)")
+    ckpts = complete_checkpoints(run_dir)
+    if not ckpts:
+        return None
+    marker = json.loads((ckpts[-1] / COMPLETE).read_text())
+    if marker["fingerprint"] != run_fingerprint(cfg):
+        raise ValueError(f"{ckpts[-1]} belongs to another run (different config); use another --output_dir "
+                         "or --overwrite")
+    return ckpts[-1]
+
+
+def save_checkpoint(accelerator, run_dir: Path, step: int, cfg: TrainConfig) -> None:
+    """accelerate save_state into a temporary folder, then one rename: never half-written."""
+    final = run_dir / "checkpoints" / f"step_{step}"
+    tmp = run_dir / "checkpoints" / f".tmp_step_{step}"
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp), safe_serialization=True)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        atomic_write_text(tmp / COMPLETE, json.dumps({"step": step, "fingerprint": run_fingerprint(cfg)}))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        for old in complete_checkpoints(run_dir)[:-cfg.keep_checkpoints]:
+            shutil.rmtree(old)
+    accelerator.wait_for_everyone()
+
+
+def export_final(accelerator, model, tokenizer, run_dir: Path, cfg: TrainConfig) -> Path:
+    final = run_dir / "final"
+    if accelerator.is_main_process:
+        tmp = run_dir / ".tmp_final"
+        shutil.rmtree(tmp, ignore_errors=True)
+        accelerator.unwrap_model(model).save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "train_config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def rewrite_metrics(path: Path, up_to_step: int) -> None:
+    """On resume, drop the records an interrupted run wrote after its last checkpoint."""
+    if not path.exists():
+        return
+    keep = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= up_to_step]
+    atomic_write_text(path, "".join(line + "\n" for line in keep))
+
+
+def available_trackers(names: list[str]) -> list[str]:
+    import importlib.util
+
+    ok = []
+    for name in names:
+        module = {"tensorboard": "tensorboard", "wandb": "wandb"}.get(name, name)
+        if importlib.util.find_spec(module) is not None:
+            ok.append(name)
+        else:
+            print(f"hf_fp4: tracker {name!r} not installed; metrics still go to metrics.jsonl")
+    return ok
+
+
+def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
+    """Run one pretraining job; returns the final metrics record."""
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+    from tqdm.auto import tqdm
+
+    run_dir = Path(cfg.output_dir)
+    resume_from = check_output_dir(run_dir, cfg, resume, overwrite)
+    data = prepare_data(cfg.dataset, cfg.tokenizer, cfg.vocab_size, cfg.val_fraction)
+    mixed = cfg.mixed_precision if cfg.mixed_precision != "auto" else ("bf16" if torch.cuda.is_available() else "no")
+    trackers = available_trackers(cfg.trackers)
+    accelerator = Accelerator(mixed_precision=mixed, log_with=trackers or None, project_dir=str(run_dir))
+    set_seed(cfg.seed)
+    model = build_model(cfg, data.vocab_size)
+    train_windows = TokenWindows(data.shard("train"), cfg.seq_len, seed=cfg.seed)
+    val_windows = TokenWindows(data.shard("val"), cfg.seq_len, shuffle=False)
+
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "lora_svd" not in n]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2 or "lora_svd" in n]
+    fused = {"fused": True} if torch.cuda.is_available() else {}
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                                   {"params": no_decay, "weight_decay": 0.0}],
+                                  lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), **fused)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg))
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    state = RunState(accelerator.unwrap_model(model))
+    accelerator.register_for_checkpointing(state)
+
+    metrics_path = run_dir / "metrics.jsonl"
+    if accelerator.is_main_process:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "train_config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    if resume_from is not None:
+        accelerator.load_state(str(resume_from))
+        if accelerator.is_main_process:
+            rewrite_metrics(metrics_path, state.step)
+            print(f"hf_fp4: resumed from {resume_from} (step {state.step})")
+    if trackers:
+        accelerator.init_trackers("hf_fp4", config={k: str(v) for k, v in cfg.to_dict().items()})
+
+    n_params = sum(p.numel() for p in model.parameters())
+    world, rank = accelerator.num_processes, accelerator.process_index
+    tokens_per_step = cfg.batch_size * cfg.grad_accum * world * cfg.seq_len
+    if accelerator.is_main_process:
+        print(f"hf_fp4: {n_params / 1e6:.2f}M parameters, recipe {cfg.recipe}, "
+              f"{len(fp4_modules(accelerator.unwrap_model(model)))} FP4 linears, {tokens_per_step} tokens/step, "
+              f"{data.train_tokens} train / {data.val_tokens} val tokens")
+    bar = tqdm(total=cfg.max_steps, initial=state.step, disable=not accelerator.is_main_process, desc="train")
+    record: dict[str, Any] = {}
+    params = [p for p in model.parameters() if p.requires_grad]
+    while state.step < cfg.max_steps:
+        t0 = time.perf_counter()
+        loss_sum, finite = 0.0, True
+        for micro in range(cfg.grad_accum):
+            tokens = train_windows.batch(state.position + rank * cfg.batch_size, cfg.batch_size).to(accelerator.device)
+            state.position += cfg.batch_size * world
+            sync = accelerator.no_sync(model) if micro < cfg.grad_accum - 1 else _nullcontext()
+            with sync:
+                try:
+                    with accelerator.autocast():
+                        loss = compute_loss(model, tokens)
+                    if not torch.isfinite(loss):
+                        raise NonFiniteError(f"loss is {loss.item()}")
+                    accelerator.backward(loss / cfg.grad_accum)
+                except NonFiniteError as err:
+                    finite, reason = False, str(err)
+                    break
+            loss_sum += loss.item() / cfg.grad_accum
+        grad_norm = float("nan")
+        if finite:
+            grad_norm = float(accelerator.clip_grad_norm_(params, cfg.grad_clip))
+            if not math.isfinite(grad_norm):
+                finite, reason = False, f"gradient norm is {grad_norm}"
+        state.step += 1
+        if finite:
+            optimizer.step()
+            scheduler.step()
+            state.bad_in_row = 0
+            maybe_refresh_lora_svd(accelerator.unwrap_model(model), state.step)
+        else:
+            state.bad_in_row += 1
+            state.skipped += 1
+        optimizer.zero_grad(set_to_none=True)
+        dt = time.perf_counter() - t0
+        record = {"step": state.step, "loss": loss_sum if finite else None, "lr": scheduler.get_last_lr()[0],
+                  "grad_norm": grad_norm if finite else None, "tokens_per_s": tokens_per_step / dt,
+                  "skipped": not finite}
+        if not finite:
+            record["reason"] = reason
+            accelerator.print(f"hf_fp4: step {state.step} skipped ({reason}); "
+                              f"{state.bad_in_row} non-finite step(s) in a row")
+        if state.step % cfg.eval_every == 0 or state.step == cfg.max_steps:
+            val = evaluate(model, val_windows, cfg, accelerator.device)
+            record.update(val_loss=val, val_ppl=math.exp(min(val, 50)))
+        if accelerator.is_main_process and (state.step % cfg.log_every == 0 or "val_loss" in record or not finite):
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        if trackers:
+            accelerator.log({k: v for k, v in record.items() if isinstance(v, (int, float)) and v is not None},
+                            step=state.step)
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss_sum:.3f}" if finite else "skip", tok_s=f"{record['tokens_per_s']:.0f}")
+        if state.bad_in_row >= cfg.max_bad_steps:
+            save_checkpoint(accelerator, run_dir, state.step, cfg)
+            raise RuntimeError(f"{state.bad_in_row} non-finite steps in a row (last: {reason}); "
+                               f"checkpoint saved at {run_dir}/checkpoints/step_{state.step}")
+        if state.step % cfg.checkpoint_every == 0:
+            save_checkpoint(accelerator, run_dir, state.step, cfg)
+    bar.close()
+    export_final(accelerator, model, data.tokenizer, run_dir, cfg)
+    if trackers:
+        accelerator.end_training()
+    return record
+
+
+class _nullcontext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False

@@ -1,0 +1,209 @@
+"""FP4Linear: the three GEMMs quantized exactly as each preset's table says."""
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+import hf_fp4
+from hf_fp4 import FP4Linear, QuantSpec, apply_hadamard, fake_quantize, observe_operands, preset, seeded_signs
+from hf_fp4.quantize import quantize
+from thresholds import LINEAR_SQNR_MIN_DB, LORA_SVD_MIN_IMPROVEMENT
+
+T, K, N = 64, 96, 80  # tokens, in-features, out-features (multiples of 16, not of 32 for N: padding)
+
+# The presets written out by hand: per GEMM, (lhs preset, lhs rounding, rhs preset, Hadamard kind, size).
+EXPECTED = {
+    "nvfp4": {"fprop": ("nvfp4", "nearest", "nvfp4_2d", "none", 16),
+              "dgrad": ("nvfp4", "stochastic", "nvfp4_2d", "none", 16),
+              "wgrad": ("nvfp4", "stochastic", "nvfp4", "random_fixed", 16)},
+    "mxfp4": {g: ("mxfp4", "nearest", "mxfp4", "none", 16) for g in ("fprop", "dgrad", "wgrad")},
+    "mxfp4_dh": {"fprop": ("mxfp4", "nearest", "mxfp4", "none", 16),
+                 "dgrad": ("mxfp4", "nearest", "mxfp4", "none", 16),
+                 "wgrad": ("mxfp4", "nearest", "mxfp4", "deterministic", 32)},
+    "ufp4": {"fprop": ("ufp4", "nearest", "ufp4", "random_fixed", 16),
+             "dgrad": ("ufp4", "stochastic", "ufp4", "random_fixed", 16),
+             "wgrad": ("ufp4", "stochastic", "ufp4", "random_fixed", 16)},
+    "tib": {"fprop": ("mxfp4_2d_up", "nearest", "mxfp4_2d_up", "none", 16),
+            "dgrad": ("mxfp4_2d_up", "stochastic", "mxfp4_2d_up", "none", 16),
+            "wgrad": ("mxfp4_2d_up", "stochastic", "mxfp4_2d_up", "none", 16)},
+}
+
+
+def make_layer(name, seed=0, bias=False):
+    torch.manual_seed(seed)
+    base = nn.Linear(K, N, bias=bias)
+    recipe = preset(name, seed=seed)
+    return base, FP4Linear.from_linear(nn.Linear(K, N, bias=bias).requires_grad_(), recipe.linear,
+                                       name="layer", seed=seed)
+
+
+def inputs(seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(T, K, generator=g), torch.randn(T, N, generator=g)
+
+
+def run(layer, x, dy):
+    x = x.clone().requires_grad_()
+    y = layer(x)
+    y.backward(dy)
+    return y.detach(), x.grad, layer.weight.grad
+
+
+def test_bf16_recipe_equals_nn_linear_exactly():
+    torch.manual_seed(0)
+    ref = nn.Linear(K, N)
+    layer = FP4Linear.from_linear(nn.Linear(K, N), preset("bf16").linear)
+    layer.load_state_dict(ref.state_dict())
+    x, dy = inputs()
+    x3 = x.reshape(4, 16, K)
+    for a, b in zip(run(ref, x3, dy.reshape(4, 16, N)), run(layer, x3, dy.reshape(4, 16, N))):
+        assert torch.equal(a, b)
+    assert torch.equal(ref.bias.grad, layer.bias.grad)
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_every_operand_is_quantized_as_the_table_says(name):
+    _, layer = make_layer(name, seed=3)
+    x, dy = inputs()
+    raw = {("fprop", "lhs"): x, ("fprop", "rhs"): layer.weight.detach(),
+           ("dgrad", "lhs"): dy, ("dgrad", "rhs"): layer.weight.detach().t(),
+           ("wgrad", "lhs"): dy.t(), ("wgrad", "rhs"): x.t()}
+    seen = {}
+    with observe_operands(lambda m, g, r, a, q, s: seen.__setitem__((g, r), (a, q, s))):
+        run(layer, x, dy)
+    assert set(seen) == set(raw)
+    for (gemm, role), (operand, q, spec) in seen.items():
+        lhs_name, lhs_rounding, rhs_name, h_kind, h_size = EXPECTED[name][gemm]
+        expected_spec = dataclasses.replace(QuantSpec.preset(lhs_name if role == "lhs" else rhs_name),
+                                            rounding=lhs_rounding if role == "lhs" else "nearest")
+        assert spec == expected_spec, (gemm, role)
+        expected = raw[(gemm, role)].float()
+        if h_kind != "none":
+            signs = seeded_signs(h_size, 3) if h_kind == "random_fixed" else None
+            expected = apply_hadamard(expected, h_size, signs)
+        assert torch.equal(operand, expected), (gemm, role)
+        if spec.rounding.value == "nearest":
+            assert torch.equal(q, fake_quantize(expected, spec)), (gemm, role)
+        else:  # SR: on the grid of the same scales, not the RTN result, different per call
+            rtn = fake_quantize(expected, dataclasses.replace(spec, rounding="nearest"))
+            assert not torch.equal(q, rtn)
+            step = quantize(expected, spec).block_decode().max() * 2
+            assert ((q - expected).abs() <= step).all()
+
+
+@pytest.mark.parametrize("name", ["nvfp4", "tib"])
+def test_2d_weight_used_by_dgrad_is_the_transpose_of_fprops(name):
+    _, layer = make_layer(name)
+    seen = {}
+    with observe_operands(lambda m, g, r, a, q, s: seen.__setitem__((g, r), q)):
+        run(layer, *inputs())
+    assert torch.equal(seen[("dgrad", "rhs")], seen[("fprop", "rhs")].t())
+
+
+def sqnr_db(ref, test):
+    return float(20 * torch.log10(ref.norm() / (ref - test).norm()))
+
+
+@pytest.mark.parametrize("name", sorted(LINEAR_SQNR_MIN_DB))
+def test_gemm_sqnr_against_bf16(name):
+    ref, layer = make_layer(name)
+    layer.weight.data.copy_(ref.weight.data)
+    x, dy = inputs()
+    y0, dx0, dw0 = run(ref, x, dy)
+    y1, dx1, dw1 = run(layer, x, dy)
+    got = {"fprop": sqnr_db(y0, y1), "dgrad": sqnr_db(dx0, dx1), "wgrad": sqnr_db(dw0, dw1)}
+    for gemm, threshold in LINEAR_SQNR_MIN_DB[name].items():
+        assert got[gemm] > threshold, (gemm, got)
+
+
+def test_quantization_changes_results():
+    ref, layer = make_layer("mxfp4")
+    layer.weight.data.copy_(ref.weight.data)
+    x, dy = inputs()
+    assert not torch.equal(run(ref, x, dy)[0], run(layer, x, dy)[0])
+
+
+def test_gemm_switches_keep_unselected_gemms_in_high_precision():
+    recipe = preset("mxfp4", gemms=("fprop",)).linear
+    layer = FP4Linear.from_linear(nn.Linear(K, N, bias=False), recipe)
+    ref = nn.Linear(K, N, bias=False)
+    ref.weight.data.copy_(layer.weight.data)
+    seen = []
+    x, dy = inputs()
+    with observe_operands(lambda m, g, r, a, q, s: seen.append(g)):
+        _, dx1, dw1 = run(layer, x, dy)
+    _, dx0, dw0 = run(ref, x, dy)
+    assert set(seen) == {"fprop"}
+    assert torch.equal(dx0, dx1) and torch.equal(dw0, dw1)
+
+
+def test_stochastic_rounding_is_reproducible_from_the_seed():
+    x, dy = inputs()
+    grads = []
+    for _ in range(2):
+        _, layer = make_layer("nvfp4", seed=5)
+        grads.append(run(layer, x, dy)[2])
+    _, layer = make_layer("nvfp4", seed=6)
+    layer.weight.data.copy_(make_layer("nvfp4", seed=5)[1].weight.data)
+    other = run(layer, x, dy)[2]
+    assert torch.equal(grads[0], grads[1])
+    assert not torch.equal(grads[0], other)
+
+
+def test_mean_bias_removal_is_exact_in_high_precision_and_helps_biased_activations():
+    torch.manual_seed(0)
+    ref = nn.Linear(K, N, bias=False)
+    x, dy = inputs()
+    x = x + 8.0 * torch.linspace(-1, 1, K)  # a coherent per-feature offset
+    results = {}
+    for mbr in (False, True):
+        recipe = preset("mxfp4", mean_bias_removal=mbr).linear
+        layer = FP4Linear.from_linear(nn.Linear(K, N, bias=False), recipe)
+        layer.weight.data.copy_(ref.weight.data)
+        results[mbr] = run(layer, x, dy)
+    y0, _, dw0 = run(ref, x, dy)
+    assert sqnr_db(y0, results[True][0]) > sqnr_db(y0, results[False][0]) + 1.0
+    assert sqnr_db(dw0, results[True][2]) > sqnr_db(dw0, results[False][2])
+    # with quantization off the rank-one correction is exact
+    layer = FP4Linear.from_linear(nn.Linear(K, N, bias=False), preset("bf16", mean_bias_removal=True).linear)
+    layer.weight.data.copy_(ref.weight.data)
+    y, _, dw = run(layer, x, dy)
+    assert torch.allclose(y, y0, atol=1e-4) and torch.allclose(dw, dw0, atol=1e-3)
+
+
+def test_lora_svd_reduces_weight_error_and_trains_its_factors():
+    torch.manual_seed(0)
+    w = torch.randn(N, K) + 3 * torch.randn(N, 4) @ torch.randn(4, K)  # a few strong directions
+    spec = QuantSpec.preset("nvfp4_2d")
+    recipe = preset("nvfp4", lora_svd_rank=8).linear
+    layer = FP4Linear.from_linear(nn.Linear(K, N, bias=False), recipe)
+    layer.weight.data.copy_(w)
+    layer.lora_svd_split(fresh=True)
+    assert torch.allclose(layer.merged_weight().detach(), w, atol=1e-4)
+    err_split = (w - (fake_quantize(layer.weight.detach(), spec) + layer.lora_svd_B @ layer.lora_svd_A)).norm()
+    err_plain = (w - fake_quantize(w, spec)).norm()
+    assert err_plain / err_split > LORA_SVD_MIN_IMPROVEMENT
+    a0, b0 = layer.lora_svd_A.detach().clone(), layer.lora_svd_B.detach().clone()
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    run(layer, *inputs())
+    opt.step()
+    assert not torch.equal(a0, layer.lora_svd_A) and not torch.equal(b0, layer.lora_svd_B)
+    merged = layer.merged_weight().detach().clone()
+    layer.lora_svd_split()  # periodic re-split keeps the represented weight
+    assert torch.allclose(layer.merged_weight().detach(), merged, atol=1e-4)
+
+
+def test_diagnostics_report_every_operand_and_the_transpose_mismatch():
+    _, layer = make_layer("ufp4")
+    with hf_fp4.collect_diagnostics() as stats:
+        run(layer, *inputs())
+    for gemm in ("fprop", "dgrad", "wgrad"):
+        for role in ("lhs", "rhs"):
+            assert 10 < stats[f"layer/{gemm}/{role}/sqnr_db"] < 40
+            assert 0.9 < stats[f"layer/{gemm}/{role}/gain"] < 1.1
+    assert stats["layer/weight_transpose_mismatch"] > 0
+    _, layer = make_layer("nvfp4")
+    with hf_fp4.collect_diagnostics() as stats:
+        run(layer, *inputs())
+    assert "layer/weight_transpose_mismatch" not in stats  # 2D weights: nothing to mismatch
