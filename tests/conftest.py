@@ -1,0 +1,35 @@
+import os
+import random
+from pathlib import Path
+
+import pytest
+
+# Small, local, real-looking English: a fixed word list arranged by a seeded generator.
+WORDS = ("the of and to in a is that for it as was with be by on not he this are or his from at which but "
+         "have an they you were her she there been one all we their has would when if so no what more up "
+         "out them some time could into only other then its these two may first any new like our over such "
+         "after most also made many before must through back years where much your way well down should "
+         "because each just those people how too little state good very make world still own see men work "
+         "long here get both between life being under never day same another know while last might us great "
+         "old year off come since against go came right used take three").split()
+
+
+def write_corpus(root: Path, n_docs: int = 24, words_per_doc: int = 600, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    root.mkdir(parents=True, exist_ok=True)
+    files = []
+    for i in range(n_docs):
+        sentences = []
+        for _ in range(words_per_doc // 12):
+            words = [rng.choice(WORDS) for _ in range(rng.randint(6, 18))]
+            sentences.append(" ".join(words).capitalize() + ".")
+        path = root / f"doc_{i:03d}.txt"
+        path.write_text(" ".join(sentences) + "\n")
+        files.append(str(path))
+    return files
+
+
+@pytest.fixture
+def corpus_files(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_FP4_CACHE", str(tmp_path / "cache"))
+    return write_corpus(tmp_path / "corpus")

@@ -1,0 +1,157 @@
+"""scripts/pretrain.py and the trainer: config validation, non-finite steps, SIGKILL + exact resume."""
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hf_fp4 import trainer
+from hf_fp4.train_config import TrainConfig, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_MODEL = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
+
+
+def tiny_cfg(files, out, **overrides):
+    cfg = {"model": TINY_MODEL, "recipe": "nvfp4", "dataset": {"files": files}, "vocab_size": 300,
+           "val_fraction": 0.1, "seq_len": 32, "batch_size": 4, "max_steps": 16, "lr": 3e-3, "warmup_steps": 2,
+           "eval_every": 4, "eval_batches": 2, "checkpoint_every": 4, "output_dir": str(out),
+           "trackers": []}
+    cfg.update(overrides)
+    return cfg
+
+
+def write_cfg(path, cfg):
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path)
+
+
+
+def records(run_dir):
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line]
+
+
+def run_script(args, env, **kw):
+    return subprocess.Popen([sys.executable, str(ROOT / "scripts" / "pretrain.py"), *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
+
+
+def test_config_errors_name_the_fix(tmp_path):
+    with pytest.raises(ValueError, match="did you mean 'max_steps'"):
+        TrainConfig.from_dict({"max_step": 3})
+    with pytest.raises(ValueError, match="must be int"):
+        TrainConfig.from_dict({"max_steps": "ten"})
+    with pytest.raises(ValueError, match="valid presets"):
+        load_config(None, ["recipe=nvfp5"])
+    with pytest.raises(ValueError, match="key=value"):
+        load_config(None, ["recipe"])
+    with pytest.raises(FileNotFoundError):
+        load_config(tmp_path / "missing.yaml")
+    with pytest.raises(ValueError, match="valid values are cosine, wsd, constant"):
+        TrainConfig.from_dict({"schedule": "linear"})
+    cfg = TrainConfig.from_dict({"model": dict(TINY_MODEL), "seq_len": 128})
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        trainer.build_model(cfg, 300)
+    cfg = TrainConfig.from_dict({"model": {**TINY_MODEL, "vocab_size": 100}, "seq_len": 32})
+    with pytest.raises(ValueError, match="smaller than the tokenizer"):
+        trainer.build_model(cfg, 300)
+
+
+def test_lr_schedules():
+    cfg = TrainConfig(max_steps=100, warmup_steps=10, schedule="wsd", wsd_decay_fraction=0.2, min_lr_ratio=0.1)
+    assert trainer.lr_factor(0, cfg) == pytest.approx(0.1) and trainer.lr_factor(50, cfg) == 1.0
+    assert trainer.lr_factor(99, cfg) == pytest.approx(0.1 + 0.9 / 20)
+    cfg = TrainConfig(max_steps=100, warmup_steps=10, schedule="cosine", min_lr_ratio=0.1)
+    assert trainer.lr_factor(10, cfg) == pytest.approx(1.0) and trainer.lr_factor(100, cfg) == pytest.approx(0.1)
+
+
+def test_non_finite_steps_are_skipped_and_a_streak_aborts_with_a_checkpoint(corpus_files, tmp_path, monkeypatch):
+    real = trainer.compute_loss
+    calls = {"n": 0}
+
+    def flaky(model, tokens):
+        calls["n"] += 1
+        loss = real(model, tokens)
+        return loss * float("nan") if calls["n"] in bad else loss
+
+    monkeypatch.setattr(trainer, "compute_loss", flaky)
+    bad = {3}  # one bad training micro-step: skipped, training goes on
+    cfg = TrainConfig.from_dict(tiny_cfg(corpus_files, tmp_path / "a", max_steps=6, eval_every=100))
+    trainer.train(cfg)
+    recs = records(tmp_path / "a")
+    assert [r["skipped"] for r in recs] == [False, False, True, False, False, False]
+    assert recs[2]["loss"] is None and "loss is nan" in recs[2]["reason"]
+    calls["n"] = 0
+    bad = set(range(2, 100))
+    cfg = TrainConfig.from_dict(tiny_cfg(corpus_files, tmp_path / "b", max_steps=20, max_bad_steps=3,
+                                         eval_every=100))
+    with pytest.raises(RuntimeError, match="3 non-finite steps in a row"):
+        trainer.train(cfg)
+    assert (tmp_path / "b" / "checkpoints" / "step_4" / "COMPLETE.json").exists()
+
+
+def test_output_dir_of_another_run_is_refused(corpus_files, tmp_path):
+    cfg = TrainConfig.from_dict(tiny_cfg(corpus_files, tmp_path / "run", max_steps=4))
+    trainer.train(cfg)
+    with pytest.raises(FileExistsError, match="--resume.*--overwrite"):
+        trainer.train(cfg)
+    other = TrainConfig.from_dict(tiny_cfg(corpus_files, tmp_path / "run", max_steps=8, lr=1e-3))
+    with pytest.raises(ValueError, match="another run"):
+        trainer.train(other, resume=True)
+    assert (tmp_path / "run" / "final" / "config.json").exists()
+
+
+def test_sigkill_then_resume_reproduces_the_uninterrupted_losses(corpus_files, tmp_path):
+    env = {**os.environ, "HF_FP4_CACHE": os.environ["HF_FP4_CACHE"], "TQDM_DISABLE": "1"}
+    steps = 40
+    # the uninterrupted run, through `accelerate launch` with one process
+    ref_cfg = write_cfg(tmp_path / "ref.yaml", tiny_cfg(corpus_files, tmp_path / "ref", max_steps=steps))
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--cpu",
+                "--mixed_precision", "no", "--num_machines", "1", "--dynamo_backend", "no"]
+    ref = subprocess.run([*launcher, str(ROOT / "scripts" / "pretrain.py"), "--config", ref_cfg], env=env,
+                         capture_output=True, text=True)
+    assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
+    ref_recs = records(tmp_path / "ref")
+    evals = [r["val_loss"] for r in ref_recs if "val_loss" in r]
+    assert evals[-1] < evals[0] - 0.3  # validation loss falls
+    # the same run, killed with SIGKILL once the step-8 checkpoint is complete
+    cfg = write_cfg(tmp_path / "kill.yaml", tiny_cfg(corpus_files, tmp_path / "kill", max_steps=steps))
+    proc = run_script(["--config", cfg], env)
+    marker = tmp_path / "kill" / "checkpoints" / "step_8" / "COMPLETE.json"
+    deadline = time.time() + 300
+    while not marker.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run finished before it could be killed: " + proc.stdout.read()[-2000:]
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    killed_at = max(r["step"] for r in records(tmp_path / "kill"))
+    assert killed_at < steps
+    resumed = run_script(["--config", cfg, "--resume"], env)
+    out, _ = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, out[-3000:]
+    assert "resumed from" in out
+    got = records(tmp_path / "kill")
+    assert [r["step"] for r in got] == [r["step"] for r in ref_recs]
+    for a, b in zip(ref_recs, got):
+        assert a["loss"] == b["loss"] and a.get("val_loss") == b.get("val_loss"), (a, b)
+
+
+def test_compare_runs_writes_a_plot_and_a_gap_table(tmp_path):
+    for name, recipe, val in (("base", "bf16", 3.0), ("fp4", "nvfp4", 3.06)):
+        run = tmp_path / name
+        run.mkdir()
+        (run / "train_config.yaml").write_text(yaml.safe_dump({"recipe": recipe}))
+        recs = [{"step": 1, "loss": 5.0}, {"step": 2, "loss": 4.0, "val_loss": val}]
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "compare_runs.py"), str(tmp_path / "base"),
+                          str(tmp_path / "fp4"), "--out", str(tmp_path / "c.png")], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "| fp4 | nvfp4 | 2 | 4.0000 | 3.0600 | +2.00% |" in out.stdout
+    assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
