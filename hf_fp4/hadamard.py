@@ -51,18 +51,33 @@ def seeded_signs(n: int, seed: int) -> torch.Tensor:
 
 
 def apply_hadamard(x: torch.Tensor, n: int, signs: torch.Tensor | None = None) -> torch.Tensor:
-    """Rotate x ([..., K]) blockwise along its last dim with diag(signs) H_n, in FP32.
+    """Rotate x ([..., K]) blockwise along its last dim by diag(signs) H_n, in FP32.
 
+    Computed as a fast Walsh-Hadamard transform with a fixed order of operations, which the Triton
+    kernels repeat exactly: multiply by the signs (exact), then butterfly stages of stride 1, 2, ...,
+    n/2, each mapping a pair (a, b) with a at the lower index to (a + b, a - b), then one multiply by
+    FP32(1/sqrt(n)).  Mathematically this is x @ diag(signs) @ hadamard_matrix(n).
     K is zero-padded to a multiple of n (exact for GEMMs: both operands get the same padding).
     """
+    if n not in HADAMARD_SIZES:
+        raise ValueError(f"Hadamard size {n} not supported; valid sizes: {HADAMARD_SIZES}")
     k = x.shape[-1]
     pad = -k % n
     xf = x.float()
     if pad:
         xf = torch.nn.functional.pad(xf, (0, pad))
-    h = hadamard_matrix(n, signs, torch.float32, x.device)
-    blocks = xf.reshape(*xf.shape[:-1], -1, n)
-    return (blocks @ h).reshape(*xf.shape[:-1], k + pad)
+    lead = xf.shape[:-1]
+    blocks = xf.reshape(-1, n)
+    if signs is not None:
+        blocks = blocks * signs.to(device=x.device, dtype=torch.float32)
+    stride = 1
+    while stride < n:
+        pairs = blocks.reshape(-1, n // (2 * stride), 2, stride)
+        a, b = pairs[:, :, 0, :], pairs[:, :, 1, :]
+        blocks = torch.stack([a + b, a - b], dim=2).reshape(-1, n)
+        stride *= 2
+    blocks = blocks * torch.tensor(1.0 / math.sqrt(n), dtype=torch.float32)
+    return blocks.reshape(*lead, k + pad)
 
 
 def remove_mean_bias(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .philox import philox_noise
 from .formats import ELEMENT_BITS, Grid, decode, encode, grid_max
 from .scales import BlockScales, ScaleRule, block_scales, e8m0_exponent, pow2
 from .spec import NonFinite, QuantSpec, Rounding, as_spec
@@ -153,16 +154,27 @@ def _nan_scales(stored: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
 
 
 def quantize(x: torch.Tensor, spec: "QuantSpec | str", generator: torch.Generator | None = None,
-             noise: torch.Tensor | None = None) -> QuantizedTensor:
+             noise: torch.Tensor | None = None, seed: int | None = None,
+             backend: str = "reference") -> QuantizedTensor:
     """Quantize `x` ([..., K], blocks along the last dim) with `spec` (a QuantSpec or preset name).
 
-    Stochastic rounding draws uniform [0, 1) noise of the padded [Mp, Kp] shape from `generator`
-    (torch.rand), or takes it from `noise`, so the same seed reproduces the same bits.
+    Stochastic rounding draws uniform [0, 1) noise of the padded [Mp, Kp] shape: from `seed` with
+    Philox (the Triton kernels' generator, hf_fp4.philox), else from `generator` (torch.rand), or
+    takes it from `noise`; the same seed reproduces the same bits.  backend="triton" runs the fused
+    kernel (hf_fp4.kernels; on CPU under TRITON_INTERPRET=1), which is bit-exact with this reference.
     """
     spec = as_spec(spec)
+    if backend == "triton":
+        from .kernels.quant import triton_quantize
+        return triton_quantize(x, spec, seed=seed)
+    if backend != "reference":
+        raise ValueError(f"unknown backend {backend!r}; valid: reference, triton")
     state = _scale(x, spec)
     if spec.rounding is Rounding.STOCHASTIC and noise is None:
-        noise = torch.rand(state.scaled.shape, generator=generator, device=state.scaled.device)
+        if seed is not None:
+            noise = philox_noise(seed, state.scaled.shape, state.scaled.device)
+        else:
+            noise = torch.rand(state.scaled.shape, generator=generator, device=state.scaled.device)
     codes = encode(state.scaled, spec.grid, spec.rounding.value, noise)
     stored = state.scales.stored
     if state.bad_blocks is not None:
@@ -173,9 +185,10 @@ def quantize(x: torch.Tensor, spec: "QuantSpec | str", generator: torch.Generato
 
 
 def fake_quantize(x: torch.Tensor, spec: "QuantSpec | str", generator: torch.Generator | None = None,
-                  noise: torch.Tensor | None = None) -> torch.Tensor:
+                  noise: torch.Tensor | None = None, seed: int | None = None,
+                  backend: str = "reference") -> torch.Tensor:
     """quantize(...).dequantize() in x's dtype."""
-    return quantize(x, spec, generator, noise).dequantize(x.dtype)
+    return quantize(x, spec, generator, noise, seed, backend).dequantize(x.dtype)
 
 
 def quant_error_stats(x: torch.Tensor, spec: "QuantSpec | str",

@@ -48,3 +48,11 @@ def test_mean_bias_removal_returns_the_rank_one_term():
     assert torch.allclose(centred.reshape(-1, 64).mean(0), torch.zeros(64), atol=1e-5)
     w = torch.randn(16, 64, generator=g)
     assert torch.allclose(centred @ w.T + mu @ w.T, x @ w.T, atol=1e-4)
+
+
+@pytest.mark.parametrize("n", [16, 32, 256])
+def test_butterfly_equals_the_matrix_product(n):
+    x = torch.randn(8, 3 * n, generator=torch.Generator().manual_seed(2), dtype=torch.float64).float()
+    signs = seeded_signs(n, 5)
+    dense = (x.double().reshape(8, 3, n) @ hadamard_matrix(n, signs, torch.float64)).reshape(8, 3 * n)
+    assert torch.allclose(apply_hadamard(x, n, signs).double(), dense, atol=1e-5, rtol=0)
