@@ -16,6 +16,7 @@ continues the same stream once `sr_calls` is restored (see `rng_state_dict`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import zlib
 from typing import Callable
 
@@ -26,6 +27,8 @@ from .hadamard import apply_hadamard, remove_mean_bias, seeded_signs
 from .quantize import fake_quantize
 from .recipe import GemmSpec, HadamardKind, LinearRecipe
 from .spec import QuantSpec, Rounding
+
+BACKENDS = ("auto", "reference", "triton")
 
 # Observers see every quantized operand: fn(module, gemm, role, operand, quantized, spec).
 # Off the hot path: the list is empty unless a test or `hf_fp4.diagnostics` registers one.
@@ -57,7 +60,7 @@ class FP4Linear(nn.Linear):
         self.layer_name = name
         self.seed = seed
         self.sr_calls = 0          # forward calls so far: the counter behind SR noise and per-step signs
-        self.backend = "reference"
+        self.backend = "auto"
         self._init_lora(device, dtype)
 
     @classmethod
@@ -69,7 +72,7 @@ class FP4Linear(nn.Linear):
         new.in_features, new.out_features = linear.in_features, linear.out_features
         new.weight = w
         new.bias = linear.bias
-        new.recipe, new.layer_name, new.seed, new.sr_calls, new.backend = recipe, name, seed, 0, "reference"
+        new.recipe, new.layer_name, new.seed, new.sr_calls, new.backend = recipe, name, seed, 0, "auto"
         new._init_lora(w.device, w.dtype)
         return new
 
@@ -144,7 +147,7 @@ class FP4Linear(nn.Linear):
             gen = None
             if spec.rounding is Rounding.STOCHASTIC:
                 gen = torch.Generator(device=t.device)
-                gen.manual_seed(_seed(self.seed, self.layer_name, call, gemm_name, role))
+                gen.manual_seed(self.sr_seed(gemm_name, role, call))
             q = fake_quantize(tf, spec, gen)
         for fn in _OBSERVERS:
             fn(self, gemm_name, role, tf, q, spec)
@@ -160,10 +163,51 @@ class FP4Linear(nn.Linear):
         return (self.quantize_operand(lhs, gemm.lhs, gemm_name, "lhs", call),
                 self.quantize_operand(rhs, gemm.rhs, gemm_name, "rhs", call))
 
+    def resolved_backend(self, t: torch.Tensor) -> str:
+        """'triton' (fused kernels + exact fast GEMMs) on CUDA, 'reference' elsewhere, unless forced."""
+        if self.backend not in BACKENDS:
+            raise ValueError(f"FP4Linear.backend={self.backend!r}; valid: {', '.join(BACKENDS)}")
+        if self.backend == "auto":
+            return "triton" if t.is_cuda else "reference"
+        return self.backend
+
+    def sr_seed(self, gemm_name: str, role: str, call: int) -> int:
+        return _seed(self.seed, self.layer_name, call, gemm_name, role)
+
+    def triton_operand(self, t: torch.Tensor, spec: QuantSpec, gemm_name: str, role: str, call: int,
+                       size: int = 0, signs: torch.Tensor | None = None):
+        """One operand through the fused kernel (a strided view is read in place: no transpose copied)."""
+        from .kernels.quant import triton_quantize
+
+        fast = dataclasses.replace(spec, nonfinite="propagate")  # NaN reaches the loss: the trainer skips
+        q = triton_quantize(t, fast, seed=self.sr_seed(gemm_name, role, call), hadamard=size, signs=signs)
+        if _OBSERVERS:
+            operand = apply_hadamard(t, size, signs) if size else t.float()
+            for fn in _OBSERVERS:
+                fn(self, gemm_name, role, operand, q.dequantize(), spec)
+        return q
+
+    def triton_operands(self, gemm_name: str, lhs: torch.Tensor, rhs: torch.Tensor, call: int):
+        gemm = self.recipe.gemm(gemm_name)
+        signs = self.hadamard_signs(gemm, call)
+        size = gemm.hadamard.size if gemm.hadamard.enabled else 0
+        return (self.triton_operand(lhs, gemm.lhs, gemm_name, "lhs", call, size, signs),
+                self.triton_operand(rhs, gemm.rhs, gemm_name, "rhs", call, size, signs))
+
+    def uses_triton(self, gemm_name: str, t: torch.Tensor) -> bool:
+        spec = self.recipe.gemm(gemm_name)
+        return self.resolved_backend(t) == "triton" and spec.lhs is not None and spec.rhs is not None
+
     def gemm(self, gemm_name: str, lhs: torch.Tensor, rhs: torch.Tensor, call: int) -> torch.Tensor:
         """lhs @ rhs^T with both operands as the recipe says; an unquantized GEMM runs in their dtype."""
-        if not self.recipe.gemm(gemm_name).quantized:
+        spec = self.recipe.gemm(gemm_name)
+        if not spec.quantized:
             return lhs @ rhs.t().to(lhs.dtype)  # dtypes differ when the forward ran under autocast
+        if self.uses_triton(gemm_name, lhs):
+            from .kernels.gemm import quantized_matmul
+
+            qa, qb = self.triton_operands(gemm_name, lhs, rhs, call)
+            return quantized_matmul(qa, qb, lhs.shape[0], rhs.shape[0])
         a, b = self.gemm_operands(gemm_name, lhs, rhs, call)
         return a @ b.t()
 
@@ -199,11 +243,21 @@ class FP4LinearFunction(torch.autograd.Function):
         if recipe.mean_bias_removal:
             x2, mu = remove_mean_bias(x2)
         # fprop: y = Q(x) Q(W)^T    [T,K] @ [K,N] -> [T,N]
+        wq = ctx.qw = None
         if not recipe.fprop.quantized and mu is None:
-            y, wq = nn.functional.linear(x2, weight, bias), None  # quantization off: exactly nn.Linear
+            y = nn.functional.linear(x2, weight, bias)  # quantization off: exactly nn.Linear
         else:
-            xq, wq = module.gemm_operands("fprop", x2, weight, call)
-            y = xq @ wq.t()
+            if module.uses_triton("fprop", x2):
+                from .kernels.gemm import quantized_matmul
+
+                qx, qw = module.triton_operands("fprop", x2, weight, call)
+                y = quantized_matmul(qx, qw, x2.shape[0], n)
+                ctx.qw = qw if module.reuses_fprop_weight() else None
+            elif recipe.fprop.quantized:
+                xq, wq = module.gemm_operands("fprop", x2, weight, call)
+                y = xq @ wq.t()
+            else:
+                y = x2.float() @ weight.float().t()
             if mu is not None:
                 y = y + mu @ weight.float().t()  # rank-one mean term, high precision
             if bias is not None:
@@ -221,7 +275,14 @@ class FP4LinearFunction(torch.autograd.Function):
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
             # dgrad: dx = Q(dy) Q(W^T)^T    [T,N] @ [N,K] -> [T,K]
-            if wq is not None:
+            if ctx.qw is not None:  # 2D weight quantized once in fprop, reused (Q(W)^T == Q(W^T))
+                from .kernels.gemm import matmul_reusing_weight
+
+                q_dy = module.triton_operand(dy2, module.recipe.dgrad.lhs, "dgrad", "lhs", call)
+                for fn in _OBSERVERS:
+                    fn(module, "dgrad", "rhs", weight.float().t(), ctx.qw.dequantize().t(), module.recipe.dgrad.rhs)
+                dx = matmul_reusing_weight(q_dy, ctx.qw, dy2.shape[0], module.in_features)
+            elif wq is not None:
                 dyq = module.quantize_operand(dy2, module.recipe.dgrad.lhs, "dgrad", "lhs", call)
                 wtq = wq.t()
                 for fn in _OBSERVERS:

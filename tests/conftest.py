@@ -3,6 +3,11 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
+
+# Without a GPU, Triton kernels run in its interpreter; this must be set before triton is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # Small, local, real-looking English: a fixed word list arranged by a seeded generator.
 WORDS = ("the of and to in a is that for it as was with be by on not he this are or his from at which but "

@@ -130,3 +130,67 @@ def test_kernel_matches_reference_at_large_sizes_on_gpu(spec):
     assert_same(triton_quant.triton_quantize(x, spec, seed=3), quantize(x, spec, seed=3))
     assert_same(triton_quant.triton_quantize(x, spec, seed=3, transpose=True),
                 quantize(x.t().contiguous(), spec, seed=3))
+
+
+def _gemm_case(m, n, k, seed, spread):
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(m, k, generator=g) * torch.exp2(torch.randint(-spread, spread + 1, (m, k // 32), generator=g)
+                                                   .float().repeat_interleave(32, 1))
+    b = torch.randn(n, k, generator=g) * torch.exp2(torch.randint(-spread, spread + 1, (n, 1), generator=g).float())
+    a[0, 7] = 5e3  # outlier
+    return a.to(DEV), b.to(DEV)
+
+
+@pytest.mark.parametrize("pair", [("mxfp4", "mxfp4"), ("mxfp4_2d_up", "mxfp4_2d_up"), ("nvfp4", "nvfp4_2d"),
+                                  ("ufp4", "ufp4"), ("mxfp8", "mxfp8"), ("int4", "int4")])
+@pytest.mark.parametrize("spread", [3, 12])
+def test_fast_gemm_matches_float64_of_the_dequantized_operands(pair, spread):
+    from hf_fp4.kernels.gemm import quantized_matmul
+
+    a, b = _gemm_case(48, 40, 96, seed=1, spread=spread)
+    qa, qb = quantize(a, pair[0]), quantize(b, pair[1])
+    ref = qa.dequantize().double() @ qb.dequantize().double().t()
+    out = quantized_matmul(qa, qb, 48, 40).double()
+    err = (out - ref).norm() / ref.norm()
+    assert err < 1e-6, err  # FP32 accumulation error, nothing lost
+
+
+def test_fp8_path_refuses_rows_beyond_its_exponent_range():
+    from hf_fp4.kernels.gemm import fp8_range_ok, quantized_matmul
+
+    a, b = _gemm_case(32, 32, 64, seed=2, spread=1)
+    a[5, :32] *= 2.0**-20  # one block 20 binades below the rest of its row: E4M3 would lose it
+    qa, qb = quantize(a, "mxfp4"), quantize(b, "mxfp4")
+    assert not fp8_range_ok(qa)[0] and fp8_range_ok(qb)[0]
+    ref = qa.dequantize().double() @ qb.dequantize().double().t()
+    out = quantized_matmul(qa, qb, 32, 32).double()
+    assert ((out - ref).abs()[5] <= 1e-6 * ref.abs()[5].max()).all()  # the small row is exact too
+
+
+@pytest.mark.parametrize("name", ["mxfp4", "nvfp4", "tib", "ufp4"])
+def test_fp4linear_triton_backend_quantizes_like_the_reference(name):
+    from torch import nn
+
+    from hf_fp4 import FP4Linear, observe_operands
+    from hf_fp4.quantize import fake_quantize as fq
+
+    torch.manual_seed(0)
+    layer = FP4Linear.from_linear(nn.Linear(64, 48, bias=False), preset(name, seed=1).linear, name="l").to(DEV)
+    ref = FP4Linear.from_linear(nn.Linear(64, 48, bias=False), preset(name, seed=1).linear, name="l").to(DEV)
+    ref.weight.data.copy_(layer.weight.data)
+    layer.backend, ref.backend = "triton", "reference"
+    x = torch.randn(32, 64, device=DEV)
+    dy = torch.randn(32, 48, device=DEV)
+    seen = []
+    with observe_operands(lambda m, g, r, a, q, s: seen.append((g, r, a, q, s))):
+        xa = x.clone().requires_grad_()
+        layer(xa).backward(dy)
+    assert {(g, r) for g, r, *_ in seen} == {(g, r) for g in ("fprop", "dgrad", "wgrad") for r in ("lhs", "rhs")}
+    for gemm, role, operand, q, spec in seen:
+        seed = layer.sr_seed(gemm, role, 0) if spec.rounding.value == "stochastic" else None
+        assert torch.equal(q, fq(operand, spec, seed=seed)), (gemm, role)
+    xr = x.clone().requires_grad_()
+    y_ref = ref(xr)
+    y_ref.backward(dy)
+    y = layer(x)
+    assert torch.allclose(y, y_ref, rtol=1e-5, atol=1e-5)  # RTN fprop: same operands, FP32 accumulation
