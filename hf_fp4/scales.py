@@ -92,16 +92,21 @@ def e8m0_ceil_exponent(amax: torch.Tensor, grid: Grid) -> torch.Tensor:
 def nvfp4_tensor_encode_scale(tensor_amax: torch.Tensor, grid: Grid) -> torch.Tensor:
     """s_enc = 448 * qmax / amax in FP32, capped at FLT_MAX; 1 when amax or s_enc is zero (TE)."""
     amax = tensor_amax.float()
-    s_enc = torch.clamp(torch.tensor(E4M3_MAX * grid_max(grid), dtype=torch.float32) / amax, max=FLT_MAX)
+    s_enc = torch.clamp(torch.full_like(amax, E4M3_MAX * grid_max(grid)) / amax, max=FLT_MAX)
     return torch.where((amax == 0) | (s_enc == 0), torch.ones_like(s_enc), s_enc)
+
+
+def div_exact(a: torch.Tensor, b: float) -> torch.Tensor:
+    """a / b, IEEE-rounded. (PyTorch's CUDA kernels multiply by the reciprocal of a scalar divisor,
+    which rounds differently; a tensor divisor on a's device gives the true quotient everywhere.)"""
+    return a / torch.full_like(a, b)
 
 
 def ue4m3_two_level(amax: torch.Tensor, tensor_amax: torch.Tensor, grid: Grid) -> BlockScales:
     """NVIDIA's two-level scale (see module docstring) for block amaxes `amax` (FP32)."""
-    qmax = torch.tensor(grid_max(grid), dtype=torch.float32)
-    s_enc = nvfp4_tensor_encode_scale(tensor_amax, grid)
+    s_enc = nvfp4_tensor_encode_scale(tensor_amax, grid).to(amax.device)
     s_dec = torch.reciprocal(s_enc)  # the FP32 global decode factor
-    block = torch.clamp(amax / qmax * s_enc, max=FLT_MAX)
+    block = torch.clamp(div_exact(amax, grid_max(grid)) * s_enc, max=FLT_MAX)
     s_b_codes = encode(block, Grid.E4M3, "nearest")  # RNE, saturating at 448
     s_b = decode(s_b_codes, Grid.E4M3)
     decode_factor = s_b * s_dec
@@ -121,7 +126,7 @@ def block_scales(amax: torch.Tensor, rule: ScaleRule, grid: Grid,
             tensor_amax = amax.max() if amax.numel() else amax.new_zeros(())
         return ue4m3_two_level(amax, tensor_amax, grid)
     if rule is ScaleRule.FP32:
-        scale = amax / grid_max(grid)
+        scale = div_exact(amax, grid_max(grid))
         inv = torch.where(scale > 0, torch.reciprocal(scale), torch.zeros_like(scale))
         return BlockScales(scale, inv, scale)
     raise ValueError(f"unknown scale rule {rule!r}")

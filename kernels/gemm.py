@@ -106,6 +106,14 @@ def _pad_cols(t: torch.Tensor, k: int) -> torch.Tensor:
     return t if t.shape[1] == k else torch.nn.functional.pad(t, (0, k - t.shape[1]))
 
 
+def _pad_rows(t: torch.Tensor, m: int) -> torch.Tensor:
+    if t.shape[0] == m:
+        return t
+    if t.dtype == torch.float8_e4m3fn:  # pad does not support FP8: pad the bytes
+        return _pad_rows(t.view(torch.uint8), m).view(torch.float8_e4m3fn)
+    return torch.nn.functional.pad(t, (0, 0, 0, m - t.shape[0]))
+
+
 def quantized_matmul(a: QuantizedTensor, b: QuantizedTensor, m: int, n: int) -> torch.Tensor:
     """a [M, K] times b [N, K]^T -> [M, N] FP32, both quantized along K (the GEMM's contraction)."""
     pow2 = {ScaleRule.E8M0_FLOOR, ScaleRule.E8M0_CEIL}
@@ -119,12 +127,14 @@ def quantized_matmul(a: QuantizedTensor, b: QuantizedTensor, m: int, n: int) -> 
         ok_b, row_b = fp8_range_ok(b)
         use_fp8 = ok_a and ok_b
     if use_fp8:
-        oa = _pad_cols(gemm_operand(a, True, row_a), k)[:m]
-        ob = _pad_cols(gemm_operand(b, True, row_b), k)[:n]
-        sa = torch.ldexp(torch.ones_like(row_a, dtype=torch.float32), row_a - _shift(a.spec.grid))[:m, None]
-        sb = torch.ldexp(torch.ones_like(row_b, dtype=torch.float32), row_b - _shift(b.spec.grid))[None, :n]
-        return torch._scaled_mm(oa, ob.t(), scale_a=sa.contiguous(), scale_b=sb.contiguous(),
-                                out_dtype=torch.float32)
+        mp, np_ = m + (-m % 16), n + (-n % 16)  # _scaled_mm wants multiples of 16
+        oa = _pad_rows(_pad_cols(gemm_operand(a, True, row_a), k)[:m], mp)
+        ob = _pad_rows(_pad_cols(gemm_operand(b, True, row_b), k)[:n], np_)
+        sa = _pad_rows(torch.ldexp(torch.ones(m, 1, device=oa.device), (row_a[:m] - _shift(a.spec.grid))[:, None]), mp)
+        sb = _pad_rows(torch.ldexp(torch.ones(n, 1, device=oa.device), (row_b[:n] - _shift(b.spec.grid))[:, None]), np_)
+        out = torch._scaled_mm(oa, ob.t(), scale_a=sa.contiguous(), scale_b=sb.t().contiguous(),
+                               out_dtype=torch.float32)
+        return out[:m, :n]
     oa = _pad_cols(gemm_operand(a, False), k)[:m]
     ob = _pad_cols(gemm_operand(b, False), k)[:n]
     return _apply_tensor_scales(mm_fp32(oa, ob.t()), a, b)

@@ -235,7 +235,7 @@ def triton_quantize(x: torch.Tensor, spec: QuantSpec, seed: int | None = None, h
                   HAS_MU=mu is not None)
     need_amax = spec.scale is ScaleRule.UE4M3_FP32 and tensor_amax is None
     check_bad = spec.nonfinite is NonFinite.RAISE
-    s_enc = s_dec = torch.ones((), dtype=torch.float32)
+    s_enc = s_dec = 1.0
     if need_amax or check_bad:
         tile_amax = torch.empty(grid, dtype=torch.float32, device=dev)
         tile_bad = torch.empty(grid, dtype=torch.int32, device=dev)

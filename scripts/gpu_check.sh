@@ -5,6 +5,7 @@
 # then carry .whl (and .cache for the pretraining data). Usage: bash scripts/gpu_check.sh [tests|bench|all]
 set -euo pipefail
 what=${1:-all}
+status=0
 SITE=${SITE:-/tmp/hf_fp4_site}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$SITE" "$OUT"
@@ -14,8 +15,9 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 if [ "$what" = tests ] || [ "$what" = all ]; then
   # -P: keep the repository root off sys.path, so the installed hf_fp4 (with hf_fp4.kernels) is used
   python3 -P -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_formats.py tests/test_quantize.py \
-    tests/test_hadamard.py tests/test_linear.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
+    tests/test_hadamard.py tests/test_linear.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 || status=1
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   python3 -P scripts/bench.py --out "$OUT" --parts "${BENCH_PARTS:-quant,linear,e2e}" 2>&1 | tee "$OUT/bench.log" | tail -60
 fi
+exit $status
