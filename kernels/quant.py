@@ -188,16 +188,19 @@ def _quantize_kernel(x_ptr, codes_ptr, scales_ptr, amax_ptr, mu_ptr, signs_ptr, 
         tl.store(sptr, tl.where(bad_block, nan_code, stored).to(tl.uint8))
 
 
-def _tile(spec: QuantSpec, hadamard: int) -> tuple[int, int]:
-    bc = max(spec.block[1], hadamard or 1)
-    bk = max(64, bc)
-    bm = max(spec.block[0], 32)
-    return bm, bk
+# Tile shape (rows, contraction, warps); rows >= 2D tile, contraction >= block and Hadamard size.
+DEFAULT_TILE = (32, 64, 4)
+
+
+def _tile(spec: QuantSpec, hadamard: int, tile: tuple[int, int, int] | None) -> tuple[int, int, int]:
+    bm, bk, warps = tile or DEFAULT_TILE
+    return max(bm, spec.block[0]), max(bk, spec.block[1], hadamard or 1), warps
 
 
 def triton_quantize(x: torch.Tensor, spec: QuantSpec, seed: int | None = None, hadamard: int = 0,
                     signs: torch.Tensor | None = None, mu: torch.Tensor | None = None,
-                    transpose: bool = False, tensor_amax: torch.Tensor | None = None) -> QuantizedTensor:
+                    transpose: bool = False, tensor_amax: torch.Tensor | None = None,
+                    tile: tuple[int, int, int] | None = None) -> QuantizedTensor:
     """Quantize x ([..., K]; or x^T of a 2D x with transpose=True) with the fused kernel."""
     if transpose:
         if x.dim() != 2:
@@ -212,7 +215,7 @@ def triton_quantize(x: torch.Tensor, spec: QuantSpec, seed: int | None = None, h
         shape, x = x.shape, x2
     if spec.rounding is Rounding.STOCHASTIC and seed is None:
         raise ValueError("stochastic rounding with the Triton backend needs a seed")
-    bm, bk = _tile(spec, hadamard)
+    bm, bk, warps = _tile(spec, hadamard, tile)
     br, bc = spec.block
     grid = (triton.cdiv(m, bm), triton.cdiv(k, bk))
     mp, kp = triton.cdiv(m, br) * br, triton.cdiv(k, bc) * bc  # the reference's padded shape
@@ -232,7 +235,7 @@ def triton_quantize(x: torch.Tensor, spec: QuantSpec, seed: int | None = None, h
                   EMAX=GRID_EMAX[spec.grid], BITS=bits, SCALE=SCALE_CODES[spec.scale],
                   STOCHASTIC=spec.rounding is Rounding.STOCHASTIC, H=hadamard,
                   HSCALE=(1.0 / math.sqrt(hadamard)) if hadamard else 1.0, HAS_SIGNS=signs is not None,
-                  HAS_MU=mu is not None)
+                  HAS_MU=mu is not None, num_warps=warps)
     need_amax = spec.scale is ScaleRule.UE4M3_FP32 and tensor_amax is None
     check_bad = spec.nonfinite is NonFinite.RAISE
     s_enc = s_dec = 1.0

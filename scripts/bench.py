@@ -64,7 +64,8 @@ def bench_quantization(dev, n):
     make = lambda: (torch.randn(n, n, device=dev, dtype=torch.bfloat16),)  # noqa: E731
     copy_ms = timed(lambda x: x.clone(), make)
     copy_bytes = 2 * n * n * 2
-    rows = [["device copy (bf16 read + write)", f"{copy_ms:.3f}", f"{copy_bytes / copy_ms / 1e9:.0f}", "100%", "-"]]
+    gbs = lambda nbytes, ms: nbytes / (ms * 1e-3) / 1e9  # noqa: E731
+    rows = [["device copy (bf16 read + write)", f"{copy_ms:.3f}", f"{gbs(copy_bytes, copy_ms):.0f}", "100%", "-"]]
     for label, opts in cases:
         name = label.split()[0]
         spec = QuantSpec.preset(name)
@@ -76,10 +77,20 @@ def bench_quantization(dev, n):
         moved = n * n * 2 + n * n * spec.bits_per_value / 8  # read bf16 once, write codes + scales
         eager = timed(lambda x: hf_fp4.quantize(x, spec, seed=1), make, warmup=1, reps=3) if label in (
             "nvfp4", "mxfp4") else None
-        rows.append([label, f"{ms:.3f}", f"{moved / ms / 1e9:.0f}", f"{copy_ms / ms * moved / copy_bytes:.0%}",
+        rows.append([label, f"{ms:.3f}", f"{gbs(moved, ms):.0f}", f"{gbs(moved, ms) / gbs(copy_bytes, copy_ms):.0%}",
                      f"{eager / ms:.1f}x" if eager else "-"])
-    return table(f"Quantization of a {n}x{n} bf16 tensor (ms, GB/s; % of copy bandwidth = bytes/s ratio)",
+    text = table(f"Quantization of a {n}x{n} bf16 tensor (ms, GB/s; % of copy bandwidth = bytes/s ratio)",
                  ["kernel", "ms", "GB/s", "% of copy", "vs eager reference"], rows)
+    sweep = []
+    for bm, bk, warps in [(32, 64, 4), (64, 64, 4), (64, 128, 4), (64, 128, 8), (128, 128, 8), (32, 256, 8),
+                          (128, 64, 8), (256, 64, 8)]:
+        row = [f"{bm}x{bk}, {warps} warps"]
+        for name, kw in (("mxfp4", {}), ("nvfp4", {}), ("nvfp4", {"transpose": True})):
+            spec = QuantSpec.preset(name)
+            ms = timed(lambda x: triton_quantize(x, spec, tile=(bm, bk, warps), **kw), make)
+            row.append(f"{ms:.3f}")
+        sweep.append(row)
+    return text + table("Tile sweep (ms)", ["tile", "mxfp4", "nvfp4", "nvfp4 transposed"], sweep)
 
 
 def bench_linear(dev, tokens, shapes):
