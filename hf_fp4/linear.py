@@ -198,16 +198,40 @@ class FP4Linear(nn.Linear):
         spec = self.recipe.gemm(gemm_name)
         return self.resolved_backend(t) == "triton" and spec.lhs is not None and spec.rhs is not None
 
-    def gemm(self, gemm_name: str, lhs: torch.Tensor, rhs: torch.Tensor, call: int) -> torch.Tensor:
+    def fast_operands(self, gemm_name: str, lhs: torch.Tensor, rhs: torch.Tensor, call: int):
+        """Both operands of one GEMM quantized straight into GEMM form (FP8 when exact, else BF16)."""
+        from .kernels.quant import fp8_capable, round_up, triton_gemm_operand
+
+        gemm = self.recipe.gemm(gemm_name)
+        signs = self.hadamard_signs(gemm, call)
+        size = gemm.hadamard.size if gemm.hadamard.enabled else 0
+        k_alloc = round_up(lhs.shape[1], 256 if max(size, gemm.lhs.block[1], gemm.rhs.block[1]) > 128 else 128)
+
+        def make(fp8: bool):
+            return [triton_gemm_operand(t, dataclasses.replace(spec, nonfinite="propagate"), fp8=fp8,
+                                        k_alloc=k_alloc, seed=self.sr_seed(gemm_name, role, call),
+                                        hadamard=size, signs=signs)
+                    for t, spec, role in ((lhs, gemm.lhs, "lhs"), (rhs, gemm.rhs, "rhs"))]
+
+        fp8 = fp8_capable(gemm.lhs) and fp8_capable(gemm.rhs)
+        ops = make(fp8)
+        if fp8 and bool(torch.stack([ops[0].lost.any(), ops[1].lost.any()]).any()):
+            ops = make(False)  # some block lies below E4M3's range: the exact BF16 form instead
+        if _OBSERVERS:  # tests and diagnostics: the same operands through the codes path
+            self.triton_operands(gemm_name, lhs, rhs, call)
+        return ops
+
+    def gemm(self, gemm_name: str, lhs: torch.Tensor, rhs: torch.Tensor, call: int,
+             out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """lhs @ rhs^T with both operands as the recipe says; an unquantized GEMM runs in their dtype."""
         spec = self.recipe.gemm(gemm_name)
         if not spec.quantized:
             return lhs @ rhs.t().to(lhs.dtype)  # dtypes differ when the forward ran under autocast
         if self.uses_triton(gemm_name, lhs):
-            from .kernels.gemm import quantized_matmul
+            from .kernels.gemm import operand_matmul
 
-            qa, qb = self.triton_operands(gemm_name, lhs, rhs, call)
-            return quantized_matmul(qa, qb, lhs.shape[0], rhs.shape[0])
+            oa, ob = self.fast_operands(gemm_name, lhs, rhs, call)
+            return operand_matmul(oa, ob, lhs.shape[0], rhs.shape[0], out_dtype)
         a, b = self.gemm_operands(gemm_name, lhs, rhs, call)
         return a @ b.t()
 
@@ -248,11 +272,11 @@ class FP4LinearFunction(torch.autograd.Function):
             y = nn.functional.linear(x2, weight, bias)  # quantization off: exactly nn.Linear
         else:
             if module.uses_triton("fprop", x2):
-                from .kernels.gemm import quantized_matmul
+                from .kernels.gemm import operand_matmul
 
-                qx, qw = module.triton_operands("fprop", x2, weight, call)
-                y = quantized_matmul(qx, qw, x2.shape[0], n)
-                ctx.qw = qw if module.reuses_fprop_weight() else None
+                ox, ow = module.fast_operands("fprop", x2, weight, call)
+                y = operand_matmul(ox, ow, x2.shape[0], n, torch.float32)
+                ctx.qw = ow if module.reuses_fprop_weight() else None
             elif recipe.fprop.quantized:
                 xq, wq = module.gemm_operands("fprop", x2, weight, call)
                 y = xq @ wq.t()
@@ -276,12 +300,24 @@ class FP4LinearFunction(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             # dgrad: dx = Q(dy) Q(W^T)^T    [T,N] @ [N,K] -> [T,K]
             if ctx.qw is not None:  # 2D weight quantized once in fprop, reused (Q(W)^T == Q(W^T))
-                from .kernels.gemm import matmul_reusing_weight
+                from .kernels.gemm import operand_matmul
+                from .kernels.quant import triton_gemm_operand
 
-                q_dy = module.triton_operand(dy2, module.recipe.dgrad.lhs, "dgrad", "lhs", call)
-                for fn in _OBSERVERS:
-                    fn(module, "dgrad", "rhs", weight.float().t(), ctx.qw.dequantize().t(), module.recipe.dgrad.rhs)
-                dx = matmul_reusing_weight(q_dy, ctx.qw, dy2.shape[0], module.in_features)
+                ow = ctx.qw
+                spec = dataclasses.replace(module.recipe.dgrad.lhs, nonfinite="propagate")
+                o_dy = triton_gemm_operand(dy2, spec, fp8=ow.fp8, k_alloc=ow.data.shape[0],
+                                           seed=module.sr_seed("dgrad", "lhs", call))
+                if ow.fp8 and bool(o_dy.lost.any()):
+                    o_dy = triton_gemm_operand(dy2, spec, fp8=False, k_alloc=ow.data.shape[0],
+                                               seed=module.sr_seed("dgrad", "lhs", call))
+                if _OBSERVERS:
+                    from .kernels.quant import triton_quantize
+
+                    module.triton_operand(dy2, module.recipe.dgrad.lhs, "dgrad", "lhs", call)
+                    q_w = triton_quantize(weight, dataclasses.replace(module.recipe.fprop.rhs, nonfinite="propagate"))
+                    for fn in _OBSERVERS:
+                        fn(module, "dgrad", "rhs", weight.float().t(), q_w.dequantize().t(), module.recipe.dgrad.rhs)
+                dx = operand_matmul(o_dy, ow, dy2.shape[0], module.in_features, torch.float32, ob_transposed=True)
             elif wq is not None:
                 dyq = module.quantize_operand(dy2, module.recipe.dgrad.lhs, "dgrad", "lhs", call)
                 wtq = wq.t()

@@ -164,3 +164,23 @@ def matmul_reusing_weight(q_lhs: QuantizedTensor, q_w: QuantizedTensor, m: int, 
     op_dy = _pad_cols(gemm_operand(q_lhs, False), n + (-n % 16))[:m, :n]
     op_w = gemm_operand(q_w, False)[:n, :k]
     return _apply_tensor_scales(mm_fp32(op_dy, op_w), q_lhs, q_w)
+
+
+def operand_matmul(oa, ob, m: int, n: int, out_dtype: torch.dtype, ob_transposed: bool = False) -> torch.Tensor:
+    """[M, K] x [N, K]^T of two GemmOperands (or ob given as [K, N] with ob_transposed) -> [M, N].
+
+    FP8 x FP8: `torch._scaled_mm` with the two tensor scales; otherwise BF16 (an FP8 operand converts
+    to BF16 exactly) with FP32 output, scaled once.
+    """
+    a = oa.data[: m + (-m % 16)]
+    b = ob.data if ob_transposed else ob.data[: n + (-n % 16)].t()  # [K, N]
+    if ob_transposed:
+        b = b[:, : n + (-n % 16)]
+    if oa.fp8 and ob.fp8:
+        b = b if b.stride(0) == 1 else b.t().contiguous().t()  # column-major for cuBLASLt
+        out = torch._scaled_mm(a, b, scale_a=oa.scale.float(), scale_b=ob.scale.float(), out_dtype=out_dtype)
+    else:
+        a = a.to(torch.bfloat16)
+        b = b.to(torch.bfloat16)
+        out = (mm_fp32(a, b) * (oa.scale * ob.scale)).to(out_dtype)
+    return out[:m, :n]

@@ -20,6 +20,7 @@ without materialising the transpose.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -106,12 +107,14 @@ def _hadamard(x, signs_ptr, BM: tl.constexpr, BK: tl.constexpr, H: tl.constexpr,
 
 @triton.jit
 def _quantize_kernel(x_ptr, codes_ptr, scales_ptr, amax_ptr, mu_ptr, signs_ptr, bad_ptr,
-                     M, K, KP, stride_m, stride_k, s_enc, s_dec, seed,
+                     op_ptr, eref_ptr, lost_ptr, OP_COLS,
+                     M, K, KP, stride_m, stride_k, senc_ptr, seed,
                      BM: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
                      EMIN: tl.constexpr, MBITS: tl.constexpr, QMAX: tl.constexpr, QM: tl.constexpr,
                      QE: tl.constexpr, EMAX: tl.constexpr, BITS: tl.constexpr, SCALE: tl.constexpr,
                      STOCHASTIC: tl.constexpr, H: tl.constexpr, HSCALE: tl.constexpr, HAS_SIGNS: tl.constexpr,
-                     HAS_MU: tl.constexpr, AMAX_ONLY: tl.constexpr):
+                     HAS_MU: tl.constexpr, AMAX_ONLY: tl.constexpr, OUT: tl.constexpr = 0,
+                     SHIFT: tl.constexpr = 0, DMAX: tl.constexpr = 0):
     pid_m, pid_k = tl.program_id(0), tl.program_id(1)
     rows = pid_m * BM + tl.arange(0, BM)
     cols = pid_k * BK + tl.arange(0, BK)
@@ -147,6 +150,8 @@ def _quantize_kernel(x_ptr, codes_ptr, scales_ptr, amax_ptr, mu_ptr, signs_ptr, 
         decode = _pow2(e)
         encode = _pow2(-e)
     elif SCALE == 2:  # UE4M3 block scale + FP32 tensor scale
+        s_enc = tl.load(senc_ptr)
+        s_dec = tl.load(senc_ptr + 1)
         block = tl.minimum(tl.math.div_rn(amax, QMAX) * s_enc, 3.4028234663852886e38)
         s_b = _round_grid(block, block, -6, 3, 448.0, False)
         stored = _grid_code(s_b, -6, 3).to(tl.uint8)
@@ -169,6 +174,28 @@ def _quantize_kernel(x_ptr, codes_ptr, scales_ptr, amax_ptr, mu_ptr, signs_ptr, 
     code = _grid_code(q, EMIN, MBITS) | (sign << (BITS - 1))
     bad_full = tl.reshape(tl.broadcast_to(tl.reshape(bad_block, [NBM, 1, NBK, 1]), [NBM, BR, NBK, BC]), [BM, BK])
     code = tl.where(bad_full, 0, code)
+    if OUT > 0:
+        # GEMM operand instead of codes: v * s_b (BF16, exact) or v * 2^(e_b - e_ref + SHIFT) (FP8, exact
+        # while e_ref - e_b <= DMAX for every non-zero block; a tile past that sets its `lost` flag)
+        if OUT == 2:
+            e_ref = tl.load(eref_ptr)
+            rel = e - e_ref + SHIFT
+            lost = tl.max(tl.max(((amax > 0) & (e_ref - e > DMAX)).to(tl.int32), axis=1), axis=0)
+            tl.store(lost_ptr + pid_m * tl.num_programs(1) + pid_k, lost)
+            factor = _pow2(tl.maximum(rel, -149))
+        elif SCALE == 2:
+            factor = s_b
+        else:
+            factor = decode
+        fac = tl.reshape(tl.broadcast_to(tl.reshape(factor, [NBM, 1, NBK, 1]), [NBM, BR, NBK, BC]), [BM, BK])
+        val = tl.where(sign != 0, -q, q) * fac
+        val = tl.where(bad_full, float("nan"), val)
+        optr = op_ptr + rows[:, None].to(tl.int64) * OP_COLS + cols[None, :]
+        if OUT == 2:
+            tl.store(optr, val.to(tl.float8e4nv))
+        else:
+            tl.store(optr, val.to(tl.bfloat16))
+        return
     # ---- stores: codes (packed for 4-bit grids) and scales ----
     if BITS == 4:
         lo, hi = tl.split(tl.reshape(code, [BM, BK // 2, 2]))
@@ -197,69 +224,155 @@ def _tile(spec: QuantSpec, hadamard: int, tile: tuple[int, int, int] | None) -> 
     return max(bm, spec.block[0]), max(bk, spec.block[1], hadamard or 1), warps
 
 
+def _as_matrix_view(x: torch.Tensor, transpose: bool):
+    """(2D view, rows, cols, row stride, col stride, logical shape) without copying."""
+    if transpose:
+        if x.dim() != 2:
+            raise ValueError("transpose=True needs a 2D tensor")
+        return x, x.shape[1], x.shape[0], x.stride(1), x.stride(0), torch.Size((x.shape[1], x.shape[0]))
+    x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+    return x2, x2.shape[0], x2.shape[1], x2.stride(0), x2.stride(1), x.shape
+
+
+def _constants(spec: QuantSpec, bm: int, bk: int, warps: int, hadamard: int, signs, mu) -> dict:
+    emin, mbits = GRID_PARAMS[spec.grid]
+    qm, qe = math.frexp(grid_max(spec.grid))
+    return dict(BM=bm, BK=bk, BR=spec.block[0], BC=spec.block[1], EMIN=emin, MBITS=mbits, QMAX=grid_max(spec.grid),
+                QM=qm * 2, QE=qe - 1, EMAX=GRID_EMAX[spec.grid], BITS=8 if spec.grid is Grid.E4M3 else 4,
+                SCALE=SCALE_CODES[spec.scale], STOCHASTIC=spec.rounding is Rounding.STOCHASTIC, H=hadamard,
+                HSCALE=(1.0 / math.sqrt(hadamard)) if hadamard else 1.0, HAS_SIGNS=signs is not None,
+                HAS_MU=mu is not None, num_warps=warps)
+
+
+def _amax_pass(args, grid, common, dev):
+    """Per-tile amax and non-finite flags (same rotation as the quantization pass)."""
+    x, m, k, kp, stride_m, stride_k, mu_t, signs_t, dummy = args
+    tile_amax = torch.empty(grid, dtype=torch.float32, device=dev)
+    tile_bad = torch.empty(grid, dtype=torch.int32, device=dev)
+    _quantize_kernel[grid](x, dummy, dummy, tile_amax, mu_t, signs_t, tile_bad, dummy, dummy, dummy, 0,
+                           m, k, kp, stride_m, stride_k, dummy, 0, AMAX_ONLY=True, **common)
+    return tile_amax.max(), tile_bad
+
+
+def _tensor_scales(spec: QuantSpec, tensor_amax: torch.Tensor) -> torch.Tensor:
+    """[s_enc, s_dec] (FP32, on the device) of two-level rules; [1, 1] otherwise."""
+    if spec.scale is not ScaleRule.UE4M3_FP32:
+        return torch.ones(2, dtype=torch.float32, device=tensor_amax.device)
+    s_enc = nvfp4_tensor_encode_scale(tensor_amax.float(), spec.grid).reshape(1)
+    return torch.cat([s_enc, torch.reciprocal(s_enc)])
+
+
+def _prepare(x, spec, hadamard, signs, mu, transpose, tile):
+    x2, m, k, stride_m, stride_k, shape = _as_matrix_view(x, transpose)
+    bm, bk, warps = _tile(spec, hadamard, tile)
+    dev = x.device
+    dummy = torch.empty(1, dtype=torch.float32, device=dev)
+    signs_t = signs.to(device=dev, dtype=torch.float32).contiguous() if signs is not None else dummy
+    mu_t = mu.to(device=dev, dtype=torch.float32).contiguous() if mu is not None else dummy
+    kp = triton.cdiv(k, spec.block[1]) * spec.block[1]  # the reference's padded K (SR offsets)
+    common = _constants(spec, bm, bk, warps, hadamard, signs, mu)
+    return (x2, m, k, kp, stride_m, stride_k, mu_t, signs_t, dummy), shape, (bm, bk), common
+
+
 def triton_quantize(x: torch.Tensor, spec: QuantSpec, seed: int | None = None, hadamard: int = 0,
                     signs: torch.Tensor | None = None, mu: torch.Tensor | None = None,
                     transpose: bool = False, tensor_amax: torch.Tensor | None = None,
                     tile: tuple[int, int, int] | None = None) -> QuantizedTensor:
     """Quantize x ([..., K]; or x^T of a 2D x with transpose=True) with the fused kernel."""
-    if transpose:
-        if x.dim() != 2:
-            raise ValueError("transpose=True needs a 2D tensor")
-        m, k = x.shape[1], x.shape[0]
-        stride_m, stride_k = x.stride(1), x.stride(0)
-        shape = torch.Size((m, k))
-    else:
-        x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
-        m, k = x2.shape
-        stride_m, stride_k = x2.stride(0), x2.stride(1)
-        shape, x = x.shape, x2
     if spec.rounding is Rounding.STOCHASTIC and seed is None:
         raise ValueError("stochastic rounding with the Triton backend needs a seed")
-    bm, bk, warps = _tile(spec, hadamard, tile)
+    args, shape, (bm, bk), common = _prepare(x, spec, hadamard, signs, mu, transpose, tile)
+    x2, m, k, kp, stride_m, stride_k, mu_t, signs_t, dummy = args
     br, bc = spec.block
     grid = (triton.cdiv(m, bm), triton.cdiv(k, bk))
-    mp, kp = triton.cdiv(m, br) * br, triton.cdiv(k, bc) * bc  # the reference's padded shape
-    gm, gk = grid[0] * bm, grid[1] * bk                          # the kernel's (larger) work shape
-    emin, mbits = GRID_PARAMS[spec.grid]
-    qmax = grid_max(spec.grid)
-    qm, qe = math.frexp(qmax)
-    bits = 8 if spec.grid is Grid.E4M3 else 4
+    mp = triton.cdiv(m, br) * br
+    gm, gk = grid[0] * bm, grid[1] * bk
+    bits = common["BITS"]
     dev = x.device
     codes = torch.empty((gm, gk // (8 // bits)), dtype=torch.uint8, device=dev)
-    scale_dtype = torch.float32 if spec.scale is ScaleRule.FP32 else torch.uint8
-    scales = torch.empty((gm // br, gk // bc), dtype=scale_dtype, device=dev)
-    dummy = torch.empty(1, dtype=torch.float32, device=dev)
-    signs_t = signs.to(device=dev, dtype=torch.float32).contiguous() if signs is not None else dummy
-    mu_t = mu.to(device=dev, dtype=torch.float32).contiguous() if mu is not None else dummy
-    common = dict(BM=bm, BK=bk, BR=br, BC=bc, EMIN=emin, MBITS=mbits, QMAX=qmax, QM=qm * 2, QE=qe - 1,
-                  EMAX=GRID_EMAX[spec.grid], BITS=bits, SCALE=SCALE_CODES[spec.scale],
-                  STOCHASTIC=spec.rounding is Rounding.STOCHASTIC, H=hadamard,
-                  HSCALE=(1.0 / math.sqrt(hadamard)) if hadamard else 1.0, HAS_SIGNS=signs is not None,
-                  HAS_MU=mu is not None, num_warps=warps)
+    scales = torch.empty((gm // br, gk // bc), dtype=torch.float32 if spec.scale is ScaleRule.FP32 else torch.uint8,
+                         device=dev)
     need_amax = spec.scale is ScaleRule.UE4M3_FP32 and tensor_amax is None
     check_bad = spec.nonfinite is NonFinite.RAISE
-    s_enc = s_dec = 1.0
     if need_amax or check_bad:
-        tile_amax = torch.empty(grid, dtype=torch.float32, device=dev)
-        tile_bad = torch.empty(grid, dtype=torch.int32, device=dev)
-        _quantize_kernel[grid](x, codes, scales, tile_amax, mu_t, signs_t, tile_bad, m, k, kp, stride_m, stride_k,
-                               1.0, 1.0, 0, AMAX_ONLY=True, **common)
+        amax, tile_bad = _amax_pass(args, grid, common, dev)
         if check_bad and bool(tile_bad.any()):
             raise NonFiniteError("quantize: input has NaN/Inf value(s); pass a QuantSpec with "
                                  "nonfinite='propagate' to turn their blocks into NaN instead")
-        if need_amax:
-            tensor_amax = tile_amax.max()
-    if spec.scale is ScaleRule.UE4M3_FP32:
-        s_enc_t = nvfp4_tensor_encode_scale(tensor_amax.float(), spec.grid)
-        s_dec_t = torch.reciprocal(s_enc_t)
-        s_enc, s_dec = float(s_enc_t), float(s_dec_t)
-    _quantize_kernel[grid](x, codes, scales, dummy, mu_t, signs_t, dummy, m, k, kp, stride_m, stride_k,
-                           s_enc, s_dec, seed or 0, AMAX_ONLY=False, **common)
+        tensor_amax = amax if need_amax else tensor_amax
+    senc = _tensor_scales(spec, tensor_amax if tensor_amax is not None else dummy)
+    _quantize_kernel[grid](x2, codes, scales, dummy, mu_t, signs_t, dummy, dummy, dummy, dummy, 0,
+                           m, k, kp, stride_m, stride_k, senc, seed or 0, AMAX_ONLY=False, **common)
     codes = codes[:mp, : kp // (8 // bits)]
     scales = scales[: mp // br, : kp // bc]
     if spec.scale in (ScaleRule.E8M0_FLOOR, ScaleRule.E8M0_CEIL):
         scales = scales.view(torch.float8_e8m0fnu)
     elif spec.scale is ScaleRule.UE4M3_FP32:
         scales = scales.view(torch.float8_e4m3fn)
-    tensor_scale = torch.tensor(s_dec, dtype=torch.float32, device=dev) if spec.scale is ScaleRule.UE4M3_FP32 else None
+    tensor_scale = senc[1].clone() if spec.scale is ScaleRule.UE4M3_FP32 else None
     return QuantizedTensor(codes.contiguous(), scales.contiguous(), tensor_scale, shape, spec)
+
+
+@dataclass
+class GemmOperand:
+    """A GEMM-ready operand: [rows_alloc, k_alloc] BF16 (v * block scale) or FP8 (folded powers of two)."""
+
+    data: torch.Tensor
+    scale: torch.Tensor          # FP32 0-dim: the GEMM output is multiplied by scale_a * scale_b
+    fp8: bool
+    lost: torch.Tensor | None    # FP8: per-tile flags, set where E4M3 could not hold a block exactly
+    rows: int
+
+
+def fp8_shift(grid: Grid) -> int:
+    """SHIFT = floor(log2(448 / grid max)): the largest element lands at <= 448."""
+    return int(math.floor(math.log2(448.0 / grid_max(grid))))
+
+
+def fp8_dmax(grid: Grid) -> int:
+    """Binades below the reference exponent that E4M3 (subnormal step 2^-9) still holds exactly."""
+    emin, mbits = GRID_PARAMS[grid]
+    return fp8_shift(grid) + 9 + emin - mbits
+
+
+def fp8_capable(spec: QuantSpec) -> bool:
+    """Power-of-two block scales on a 4-bit grid: exact in E4M3 after folding."""
+    return spec.scale in (ScaleRule.E8M0_FLOOR, ScaleRule.E8M0_CEIL) and spec.grid is not Grid.E4M3
+
+
+def round_up(n: int, to: int) -> int:
+    return (n + to - 1) // to * to
+
+
+def triton_gemm_operand(x: torch.Tensor, spec: QuantSpec, *, fp8: bool, k_alloc: int, seed: int | None = None,
+                        hadamard: int = 0, signs: torch.Tensor | None = None, mu: torch.Tensor | None = None,
+                        tile: tuple[int, int, int] | None = None) -> GemmOperand:
+    """Quantize straight into a GEMM operand (no codes round trip); NaN/Inf blocks become NaN."""
+    if spec.scale is ScaleRule.FP32 or (fp8 and (spec.scale not in (ScaleRule.E8M0_FLOOR, ScaleRule.E8M0_CEIL)
+                                               or spec.grid is Grid.E4M3)):
+        raise ValueError(f"{spec} has no {'FP8' if fp8 else 'BF16'} GEMM operand form")
+    args, _, (bm, bk), common = _prepare(x, spec, hadamard, signs, mu, False, tile)
+    x2, m, k, kp, stride_m, stride_k, mu_t, signs_t, dummy = args
+    if k_alloc % bk:
+        raise ValueError(f"k_alloc={k_alloc} must be a multiple of the tile's {bk}")
+    dev = x.device
+    rows_alloc = round_up(m, 128)
+    grid = (rows_alloc // bm, k_alloc // bk)
+    amax, _ = _amax_pass(args, grid, common, dev)
+    senc = _tensor_scales(spec, amax)
+    data = torch.empty((rows_alloc, k_alloc), dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16, device=dev)
+    lost = None
+    if fp8:
+        from hf_fp4.scales import e8m0_ceil_exponent, e8m0_floor_exponent, pow2
+        rule = e8m0_floor_exponent if spec.scale is ScaleRule.E8M0_FLOOR else e8m0_ceil_exponent
+        e_ref = rule(amax.reshape(1), spec.grid).to(torch.int32)
+        scale = pow2(e_ref - fp8_shift(spec.grid)).reshape(())
+        lost = torch.zeros(grid, dtype=torch.int32, device=dev)
+        eref = e_ref
+    else:
+        scale = senc[1].reshape(()) if spec.scale is ScaleRule.UE4M3_FP32 else torch.ones((), device=dev)
+        eref = dummy
+    _quantize_kernel[grid](x2, dummy, dummy, dummy, mu_t, signs_t, dummy, data, eref, lost if lost is not None
+                           else dummy, k_alloc, m, k, kp, stride_m, stride_k, senc, seed or 0, AMAX_ONLY=False,
+                           OUT=2 if fp8 else 1, SHIFT=fp8_shift(spec.grid), DMAX=fp8_dmax(spec.grid), **common)
+    return GemmOperand(data, scale, fp8, lost, m)

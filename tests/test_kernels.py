@@ -194,3 +194,36 @@ def test_fp4linear_triton_backend_quantizes_like_the_reference(name):
     y_ref.backward(dy)
     y = layer(x)
     assert torch.allclose(y, y_ref, rtol=1e-5, atol=1e-5)  # RTN fprop: same operands, FP32 accumulation
+
+
+@pytest.mark.parametrize("name", ["nvfp4", "ufp4", "mxfp4", "mxfp4_2d_up", "mxfp8"])
+@pytest.mark.parametrize("sr", [False, True])
+def test_fused_gemm_operand_is_the_reference_value_exactly(name, sr):
+    from hf_fp4.kernels.quant import fp8_capable, fp8_shift, triton_gemm_operand
+    from hf_fp4.scales import e8m0_exponent
+
+    x = wide(40, 96, seed=13)
+    spec = dataclasses.replace(QuantSpec.preset(name), rounding="stochastic" if sr else "nearest")
+    q = quantize(x, spec, seed=21)
+    block = q.code_values() * q.block_decode().repeat_interleave(spec.block[0], 0).repeat_interleave(spec.block[1], 1)
+    block = block[:40, :96]
+    op = triton_gemm_operand(x, spec, fp8=False, k_alloc=128, seed=21)
+    assert torch.equal(op.data[:40, :96].float(), block) and (op.data[40:] == 0).all() and (op.data[:, 96:] == 0).all()
+    assert torch.equal(op.scale.reshape(()), q.tensor_scale if q.tensor_scale is not None else torch.ones((), device=DEV))
+    if fp8_capable(spec):
+        op8 = triton_gemm_operand(x, spec, fp8=True, k_alloc=128, seed=21)
+        e_ref = int(e8m0_exponent(q.scales).max())
+        assert op8.scale.item() == 2.0 ** (e_ref - fp8_shift(spec.grid))
+        lost = bool(op8.lost.any())
+        nonzero = (q.code_values().abs() > 0).reshape(q.scales.shape[0], spec.block[0], q.scales.shape[1],
+                                                       spec.block[1]).any(3).any(1)
+        e_min = int(e8m0_exponent(q.scales)[nonzero].min())
+        assert lost == (e_ref - e_min > 14)
+        assert lost  # wide() spans 24 binades
+        xs = torch.randn(40, 96, generator=torch.Generator().manual_seed(3)).to(DEV)  # a narrow range
+        qs = quantize(xs, spec, seed=21)
+        ref = qs.code_values() * qs.block_decode().repeat_interleave(spec.block[0], 0).repeat_interleave(
+            spec.block[1], 1)
+        op8 = triton_gemm_operand(xs, spec, fp8=True, k_alloc=128, seed=21)
+        assert not bool(op8.lost.any())
+        assert torch.equal(op8.data[:40, :96].float() * op8.scale, ref[:40, :96])
