@@ -21,7 +21,8 @@ from transformers.quantizers.auto import (AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO
                                           register_quantization_config, register_quantizer)
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from .convert import convert_model, lora_svd_split
+from .convert import convert_model, fp4_modules, lora_svd_split
+from .packing import expect_packed_weight, unpack_weight
 from .recipe import PRESET_NAMES, Recipe, preset
 
 QUANT_METHOD = "hf_fp4"
@@ -38,6 +39,7 @@ class FP4TrainConfig(QuantizationConfigMixin):
     """
 
     def __init__(self, recipe: "str | dict | Recipe" = "ufp4", **options: Any):
+        self.packed = bool(options.pop("packed", False))  # weights stored as packed FP4 (scripts/export.py)
         quant_method = options.pop("quant_method", QUANT_METHOD)
         if quant_method != QUANT_METHOD:
             raise ValueError(f"FP4TrainConfig is quant_method {QUANT_METHOD!r}, got {quant_method!r}")
@@ -67,11 +69,14 @@ class FP4TrainConfig(QuantizationConfigMixin):
         return self.recipe["name"]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"quant_method": self.quant_method, "recipe": self.recipe}
+        out = {"quant_method": self.quant_method, "recipe": self.recipe}
+        if self.packed:
+            out["packed"] = True
+        return out
 
     @classmethod
     def from_dict(cls, config_dict, return_unused_kwargs=False, **kwargs):
-        config = cls(config_dict["recipe"])
+        config = cls(config_dict["recipe"], packed=config_dict.get("packed", False))
         return (config, kwargs) if return_unused_kwargs else config
 
 
@@ -87,9 +92,15 @@ class FP4HfQuantizer(HfQuantizer):
 
     def _process_model_before_weight_loading(self, model, **kwargs):
         convert_model(model, self.quantization_config.get_recipe())
+        if self.quantization_config.packed:
+            for module in fp4_modules(model).values():
+                expect_packed_weight(module)
         return model
 
     def _process_model_after_weight_loading(self, model, **kwargs):
+        if self.quantization_config.packed:
+            for module in fp4_modules(model).values():
+                unpack_weight(module)
         # A saved hf_fp4 checkpoint carries W_res, A and B; a plain checkpoint is split now.
         if not self.pre_quantized:
             lora_svd_split(model, fresh=True)

@@ -61,6 +61,7 @@ class FP4Linear(nn.Linear):
         self.seed = seed
         self.sr_calls = 0          # forward calls so far: the counter behind SR noise and per-step signs
         self.backend = "auto"
+        self.frozen_weight = False  # True after loading a packed FP4 export: weight holds Q(W R) as is
         self._init_lora(device, dtype)
 
     @classmethod
@@ -73,6 +74,7 @@ class FP4Linear(nn.Linear):
         new.weight = w
         new.bias = linear.bias
         new.recipe, new.layer_name, new.seed, new.sr_calls, new.backend = recipe, name, seed, 0, "auto"
+        new.frozen_weight = False
         new._init_lora(w.device, w.dtype)
         return new
 
@@ -108,6 +110,33 @@ class FP4Linear(nn.Linear):
         self.lora_svd_B.copy_(b)
         self.lora_svd_A.copy_(a)
         self.weight.copy_(full - self.lora_svd_B.float() @ self.lora_svd_A.float())
+
+    def fprop_weight_operand(self) -> torch.Tensor:
+        """The weight operand of fprop in FP32: Q(W R) (rotated when fprop has a Hadamard), as trained."""
+        w = self.weight.detach().float()
+        if self.frozen_weight:
+            return w
+        gemm = self.recipe.fprop
+        if gemm.hadamard.enabled:
+            if gemm.hadamard.kind.value == "random_per_step":
+                raise ValueError(f"{self.layer_name}: per-step random Hadamard has no fixed weight operand")
+            w = apply_hadamard(w, gemm.hadamard.size, self.hadamard_signs(gemm, 0))
+        return fake_quantize(w, gemm.rhs) if gemm.rhs is not None else w
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """The weight a plain nn.Linear needs for the same product: Q(W R) R^T (+ B A), in FP32."""
+        w = self.fprop_weight_operand()
+        gemm = self.recipe.fprop
+        if gemm.hadamard.enabled:  # R^T = H diag(s): apply H, then the signs, then drop the padding
+            n = gemm.hadamard.size
+            w = apply_hadamard(w, n)
+            signs = self.hadamard_signs(gemm, 0)
+            if signs is not None:
+                w = (w.reshape(w.shape[0], -1, n) * signs.to(w.device)).reshape(w.shape)
+            w = w[:, : self.in_features]
+        if self.lora_svd_A is not None:
+            w = w + (self.lora_svd_B @ self.lora_svd_A).detach().float()
+        return w
 
     def merged_weight(self) -> torch.Tensor:
         """W_res + B A (the high-precision weight the layer represents)."""
@@ -157,11 +186,15 @@ class FP4Linear(nn.Linear):
         """Rotate (if the GEMM asks) and quantize both operands of one GEMM."""
         gemm = self.recipe.gemm(gemm_name)
         signs = self.hadamard_signs(gemm, call)
+        frozen = self.frozen_weight and gemm_name == "fprop"
         if gemm.hadamard.enabled:
             lhs = apply_hadamard(lhs, gemm.hadamard.size, signs)
-            rhs = apply_hadamard(rhs, gemm.hadamard.size, signs)
-        return (self.quantize_operand(lhs, gemm.lhs, gemm_name, "lhs", call),
-                self.quantize_operand(rhs, gemm.rhs, gemm_name, "rhs", call))
+            if not frozen:
+                rhs = apply_hadamard(rhs, gemm.hadamard.size, signs)
+        lhs_q = self.quantize_operand(lhs, gemm.lhs, gemm_name, "lhs", call)
+        if frozen:  # a packed export: the stored weight is the quantized (rotated) operand itself
+            return lhs_q, rhs.float()
+        return lhs_q, self.quantize_operand(rhs, gemm.rhs, gemm_name, "rhs", call)
 
     def resolved_backend(self, t: torch.Tensor) -> str:
         """'triton' (fused kernels + exact fast GEMMs) on CUDA, 'reference' elsewhere, unless forced."""
@@ -196,7 +229,8 @@ class FP4Linear(nn.Linear):
 
     def uses_triton(self, gemm_name: str, t: torch.Tensor) -> bool:
         spec = self.recipe.gemm(gemm_name)
-        return self.resolved_backend(t) == "triton" and spec.lhs is not None and spec.rhs is not None
+        return (self.resolved_backend(t) == "triton" and spec.lhs is not None and spec.rhs is not None
+                and not self.frozen_weight)
 
     def fast_operands(self, gemm_name: str, lhs: torch.Tensor, rhs: torch.Tensor, call: int):
         """Both operands of one GEMM quantized straight into GEMM form (FP8 when exact, else BF16)."""

@@ -17,6 +17,7 @@ from .recipe import PRESET_NAMES
 class TrainConfig:
     # model: an architecture name ("llama", "qwen2", ... any AutoConfig model_type) plus its config keys
     model: dict[str, Any] = field(default_factory=lambda: {"model_type": "llama"})
+    init_from: str = ""                           # continue from a checkpoint (scripts/convert.py --mode train)
     recipe: str = "bf16"                          # an hf_fp4 preset (hf_fp4.PRESET_NAMES)
     recipe_options: dict[str, Any] = field(default_factory=dict)  # FP4TrainConfig options (gemms, hadamard, ...)
     # data

@@ -62,6 +62,17 @@ def run_fingerprint(cfg: TrainConfig) -> str:
 def build_model(cfg: TrainConfig, vocab_size: int):
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    if cfg.init_from:  # continued pretraining: an hf_fp4 checkpoint keeps its recipe, a plain one gets cfg's
+        torch.manual_seed(cfg.seed)
+        model = AutoModelForCausalLM.from_pretrained(cfg.init_from)
+        if getattr(model.config, "quantization_config", None) is None:
+            from .integration import apply_fp4_config
+            apply_fp4_config(model, FP4TrainConfig(cfg.recipe, seed=cfg.seed, **cfg.recipe_options))
+        if model.config.vocab_size < vocab_size:
+            raise ValueError(f"{cfg.init_from}: vocab_size {model.config.vocab_size} < tokenizer's {vocab_size}; "
+                             f"use its own tokenizer (tokenizer={cfg.init_from})")
+        return model
+
     kwargs = dict(cfg.model)
     model_type = kwargs.pop("model_type")
     kwargs.setdefault("vocab_size", vocab_size)

@@ -1,0 +1,97 @@
+"""Downstream evaluation with lm-evaluation-harness, hf_fp4-aware (the quant method is registered first).
+
+Plain lm-eval on an hf_fp4 checkpoint fails or silently runs in high precision; here the model is
+loaded after `import hf_fp4`, so `from_pretrained` restores FP4Linear with the saved recipe, or a BF16
+model is post-training quantized in memory (`quantize=preset`: fprop operands RTN, optional Hadamard).
+"""
+from __future__ import annotations
+
+import datetime
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .evaldata import PREFIX, build_tasks, heldout_corpus_texts, resolve_tasks
+from .integration import FP4TrainConfig, apply_fp4_config
+
+
+def load_model(model_dir: str, gguf_file: str | None = None, dtype: torch.dtype = torch.float32):
+    """A causal LM and its tokenizer from an HF directory (hf_fp4 checkpoints included) or a GGUF file."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(model_dir)
+    if not path.exists():
+        raise FileNotFoundError(f"model directory {model_dir} not found")
+    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    if not gguf_file and not (path / "config.json").exists():
+        raise FileNotFoundError(f"{model_dir} has no config.json: not a Hugging Face model directory "
+                                "(for a GGUF file pass --gguf FILE)")
+    try:
+        tok = AutoTokenizer.from_pretrained(model_dir, **kwargs)
+    except Exception as err:
+        raise ValueError(f"no usable tokenizer in {model_dir}: {err}. Save one with "
+                         "tokenizer.save_pretrained(model_dir)") from err
+    try:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, **kwargs)
+    except ValueError as err:
+        if gguf_file:
+            raise ValueError(f"transformers cannot load {gguf_file}: {err}. Its GGUF loader supports a fixed "
+                             "list of architectures; convert the model with llama.cpp's tools first") from err
+        raise
+    return model.eval(), tok
+
+
+def post_training_quantize(model, preset: str, hadamard: str = "none", hadamard_size: int = 16):
+    """FP4 inference emulation in memory: every decoder linear quantizes x and W (RTN) in fprop."""
+    return apply_fp4_config(model, FP4TrainConfig(preset, gemms=("fprop",), hadamard=hadamard,
+                                                  hadamard_size=hadamard_size))
+
+
+def run_lm_eval(model, tokenizer, tasks: list[str], limit: int | None = None, batch_size: str | int = "auto",
+                hub_tasks: bool = False) -> dict[str, dict[str, float]]:
+    import lm_eval
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    names = resolve_tasks(tasks, hub_tasks)
+    include = build_tasks(heldout_texts=heldout_corpus_texts() if PREFIX + "corpus_ppl" in names else None)
+    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size,
+              device=str(next(model.parameters()).device))
+    out = lm_eval.simple_evaluate(model=lm, tasks=names, limit=limit, task_manager=TaskManager(include_path=str(include)),
+                                  log_samples=False, bootstrap_iters=0)
+    results = {}
+    for task, metrics in out["results"].items():
+        clean = {k.split(",")[0]: float(v) for k, v in metrics.items()
+                 if isinstance(v, (int, float)) and not k.startswith(("alias", "sample_")) and "stderr" not in k}
+        results[task.removeprefix(PREFIX)] = clean
+    return results
+
+
+PRIMARY = {"lambada": ("acc", "perplexity"), "corpus_ppl": ("word_perplexity", "bits_per_byte")}
+
+
+def markdown_table(rows: dict[str, dict[str, dict[str, float]]]) -> str:
+    """rows: config name -> task -> metrics; acc_norm where a task has it, else acc / perplexities."""
+    tasks = sorted({t for res in rows.values() for t in res})
+    cols = []
+    for t in tasks:
+        metrics = next(iter(r[t] for r in rows.values() if t in r))
+        keys = PRIMARY.get(t, ("acc_norm",) if "acc_norm" in metrics else ("acc",))
+        cols += [(t, k) for k in keys]
+    lines = ["| config | " + " | ".join(f"{t} {k}" for t, k in cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    for name, res in rows.items():
+        cells = [f"{res[t][k]:.4f}" if t in res and k in res[t] else "-" for t, k in cols]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_results(path: str | Path, results: dict[str, Any], meta: dict[str, Any]) -> None:
+    import lm_eval
+
+    payload = {"date": datetime.date.today().isoformat(), "lm_eval": lm_eval.__version__, **meta,
+               "results": results}
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(payload, indent=2))
+    Path(path).with_suffix(".md").write_text(markdown_table({meta.get("name", "model"): results}))

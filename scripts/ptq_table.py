@@ -1,0 +1,57 @@
+#!/usr/bin/env python
+"""SmolLM2-135M: BF16 vs FP4 post-training quantization (nvfp4 / mxfp4 / ufp4, with and without
+Hadamard) on the offline tasks and held-out perplexity.
+
+    python scripts/ptq_table.py [--limit N] [--out benchmarks/smollm2-ptq]
+"""
+import argparse
+import copy
+import datetime
+import json
+import time
+from pathlib import Path
+
+import torch
+
+import hf_fp4  # noqa: F401
+from hf_fp4.evaluation import load_model, markdown_table, post_training_quantize, run_lm_eval
+from hf_fp4.models import fetch_smollm2
+
+CONFIGS = [("bf16", None, "none", 16), ("nvfp4", "nvfp4", "none", 16), ("nvfp4+H16", "nvfp4", "deterministic", 16),
+           ("mxfp4", "mxfp4", "none", 32), ("mxfp4+H32", "mxfp4", "deterministic", 32),
+           ("ufp4 (no H)", "ufp4", "none", 16), ("ufp4+RHT16", "ufp4", "random_fixed", 16)]
+TASKS = "hellaswag,piqa,arc_easy,arc_challenge,winogrande,boolq,openbookqa,sciq,lambada,corpus_ppl"
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--limit", type=int, default=100)
+    p.add_argument("--batch_size", default="16")
+    p.add_argument("--out", default="benchmarks/smollm2-ptq")
+    p.add_argument("--configs", default=",".join(c[0] for c in CONFIGS))
+    args = p.parse_args()
+    torch.manual_seed(0)
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    model_dir, gguf = fetch_smollm2()
+    base, tok = load_model(str(model_dir), gguf)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = {}
+    wanted = args.configs.split(",")
+    for name, preset, hadamard, size in CONFIGS:
+        if name not in wanted:
+            continue
+        t0 = time.time()
+        model = copy.deepcopy(base)
+        if preset:
+            post_training_quantize(model, preset, hadamard, size)
+        rows[name] = run_lm_eval(model, tok, TASKS.split(","), args.limit, int(args.batch_size))
+        print(f"{name}: {time.time() - t0:.0f} s", flush=True)
+        (out / "results.json").write_text(json.dumps({"date": datetime.date.today().isoformat(), "limit": args.limit,
+                                                       "model": f"{model_dir}/{gguf}", "results": rows}, indent=2))
+        (out / "table.md").write_text(markdown_table(rows))
+    print(markdown_table(rows))
+
+
+if __name__ == "__main__":
+    main()

