@@ -173,11 +173,20 @@ def save_checkpoint(accelerator, run_dir: Path, step: int, cfg: TrainConfig) -> 
 
 
 def export_final(accelerator, model, tokenizer, run_dir: Path, cfg: TrainConfig) -> Path:
+    """save_pretrained of the full model into final/ (gathered first when sharded: a collective)."""
     final = run_dir / "final"
+    state = accelerator.get_state_dict(model)  # every rank takes part (FSDP gathers the shards)
     if accelerator.is_main_process:
         tmp = run_dir / ".tmp_final"
         shutil.rmtree(tmp, ignore_errors=True)
-        accelerator.unwrap_model(model).save_pretrained(tmp)
+        unwrapped = accelerator.unwrap_model(model)
+        # save_pretrained ignores state_dict= while a quantizer is attached: detach it for the call
+        quantizer = getattr(unwrapped, "hf_quantizer", None)
+        unwrapped.hf_quantizer = None
+        try:
+            unwrapped.save_pretrained(tmp, state_dict=state, safe_serialization=True)
+        finally:
+            unwrapped.hf_quantizer = quantizer
         tokenizer.save_pretrained(tmp)
         (tmp / "train_config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         shutil.rmtree(final, ignore_errors=True)
@@ -218,7 +227,9 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> di
     data = prepare_data(cfg.dataset, cfg.tokenizer, cfg.vocab_size, cfg.val_fraction)
     mixed = cfg.mixed_precision if cfg.mixed_precision != "auto" else ("bf16" if torch.cuda.is_available() else "no")
     trackers = available_trackers(cfg.trackers)
-    accelerator = Accelerator(mixed_precision=mixed, log_with=trackers or None, project_dir=str(run_dir))
+    # one scheduler step per optimizer step, whatever the number of processes
+    accelerator = Accelerator(mixed_precision=mixed, log_with=trackers or None, project_dir=str(run_dir),
+                              step_scheduler_with_optimizer=False)
     set_seed(cfg.seed)
     model = build_model(cfg, data.vocab_size)
     train_windows = TokenWindows(data.shard("train"), cfg.seq_len, seed=cfg.seed)
@@ -251,7 +262,8 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> di
     world, rank = accelerator.num_processes, accelerator.process_index
     tokens_per_step = cfg.batch_size * cfg.grad_accum * world * cfg.seq_len
     if accelerator.is_main_process:
-        print(f"hf_fp4: {n_params / 1e6:.2f}M parameters, recipe {cfg.recipe}, "
+        print(f"hf_fp4: {n_params / 1e6:.2f}M parameters, recipe {cfg.recipe}, {world} process(es) "
+              f"({accelerator.distributed_type.value}), "
               f"{len(fp4_modules(accelerator.unwrap_model(model)))} FP4 linears, {tokens_per_step} tokens/step, "
               f"{data.train_tokens} train / {data.val_tokens} val tokens")
     bar = tqdm(total=cfg.max_steps, initial=state.step, disable=not accelerator.is_main_process, desc="train")
@@ -259,7 +271,7 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> di
     params = [p for p in model.parameters() if p.requires_grad]
     while state.step < cfg.max_steps:
         t0 = time.perf_counter()
-        loss_sum, finite = 0.0, True
+        loss_sum, finite, reason = 0.0, True, ""
         for micro in range(cfg.grad_accum):
             tokens = train_windows.batch(state.position + rank * cfg.batch_size, cfg.batch_size).to(accelerator.device)
             state.position += cfg.batch_size * world
@@ -275,6 +287,13 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> di
                     finite, reason = False, str(err)
                     break
             loss_sum += loss.item() / cfg.grad_accum
+        if world > 1:  # the logged loss is the mean over ranks: the same number a single process logs
+            stats = torch.tensor([loss_sum if finite else float("nan"), float(finite)], device=accelerator.device)
+            stats = accelerator.reduce(stats, reduction="mean")
+            finite = finite and bool(stats[1] == 1.0)
+            loss_sum = float(stats[0])
+            if not finite and not reason:
+                reason = "non-finite loss on another rank"
         grad_norm = float("nan")
         if finite:
             grad_norm = float(accelerator.clip_grad_norm_(params, cfg.grad_clip))
