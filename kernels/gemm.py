@@ -154,18 +154,6 @@ def _apply_tensor_scales(out: torch.Tensor, *qs: QuantizedTensor) -> torch.Tenso
     return out
 
 
-def matmul_reusing_weight(q_lhs: QuantizedTensor, q_w: QuantizedTensor, m: int, k: int) -> torch.Tensor:
-    """dgrad with a 2D weight quantized once in fprop: Q(dy) [T, N] @ Q(W) [N, K] -> [T, K] FP32.
-
-    Q(W)^T == Q(W^T) bit for bit for 2D tiles, so fprop's quantized weight serves dgrad as it is.
-    Both operands run the exact BF16 path.
-    """
-    n = q_w.shape[0]
-    op_dy = _pad_cols(gemm_operand(q_lhs, False), n + (-n % 16))[:m, :n]
-    op_w = gemm_operand(q_w, False)[:n, :k]
-    return _apply_tensor_scales(mm_fp32(op_dy, op_w), q_lhs, q_w)
-
-
 def operand_matmul(oa, ob, m: int, n: int, out_dtype: torch.dtype, ob_transposed: bool = False) -> torch.Tensor:
     """[M, K] x [N, K]^T of two GemmOperands (or ob given as [K, N] with ob_transposed) -> [M, N].
 

@@ -163,9 +163,10 @@ def test_convert_a_plain_checkpoint_for_training_and_for_ptq(tmp_path):
     plain = AutoModelForCausalLM.from_config(tiny_config())
     plain.save_pretrained(tmp_path / "plain")
     from transformers import PreTrainedTokenizerFast
-    from tokenizers import Tokenizer, models
-    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"a": 0, "<unk>": 1}, unk_token="<unk>")),
-                                  eos_token="<unk>")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    word_level = Tokenizer(models.WordLevel({"a": 0, "the": 2, "of": 3, "<unk>": 1}, unk_token="<unk>"))
+    word_level.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=word_level, eos_token="<unk>")
     tok.save_pretrained(tmp_path / "plain")
     for mode, extra in (("train", []), ("ptq", ["--hadamard", "deterministic"])):
         done = subprocess.run([sys.executable, str(ROOT / "scripts" / "convert.py"), "--model", str(tmp_path / "plain"),
@@ -181,6 +182,18 @@ def test_convert_a_plain_checkpoint_for_training_and_for_ptq(tmp_path):
     ref = copy.deepcopy(plain)
     hf_fp4.evaluation.post_training_quantize(ref, "mxfp4", "deterministic")
     assert torch.equal(logits(ptq), logits(ref))
+    # continued pretraining of the converted model through the trainer (init_from)
+    import os
+    from conftest import write_corpus
+    os.environ["HF_FP4_CACHE"] = str(tmp_path / "cache")
+    cfg = TrainConfig.from_dict({"init_from": str(tmp_path / "train"), "tokenizer": str(tmp_path / "train"),
+                                 "dataset": {"files": write_corpus(tmp_path / "c", n_docs=4)}, "seq_len": 16,
+                                 "batch_size": 2, "max_steps": 2, "eval_every": 2, "output_dir": str(tmp_path / "cont"),
+                                 "trackers": []})
+    trainer.train(cfg)
+    cont = AutoModelForCausalLM.from_pretrained(tmp_path / "cont" / "final")
+    assert cont.config.quantization_config.recipe_name == "mxfp4"
+    assert not torch.equal(cont.model.layers[0].mlp.up_proj.weight, trainable.model.layers[0].mlp.up_proj.weight)
     bad = subprocess.run([sys.executable, str(ROOT / "scripts" / "convert.py"), "--model", str(tmp_path / "nope"),
                           "--recipe", "mxfp4", "--mode", "ptq", "--output", str(tmp_path / "x")],
                          capture_output=True, text=True)
