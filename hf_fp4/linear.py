@@ -328,6 +328,10 @@ class FP4LinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         module, call = ctx.module, ctx.call
+        if module.frozen_weight:
+            raise RuntimeError(f"{module.layer_name}: a packed FP4 export holds the quantized (rotated) fprop "
+                               "weight only and is for inference; train from the training checkpoint "
+                               "(pretrain.py's final/) or the bf16 export instead")
         x2, weight, mu, wq = ctx.saved_tensors
         dy2 = dy.reshape(-1, module.out_features)
         dx = dw = db = None
