@@ -106,6 +106,39 @@ def _hadamard(x, signs_ptr, BM: tl.constexpr, BK: tl.constexpr, H: tl.constexpr,
 
 
 @triton.jit
+def _block_scales(amax, senc_ptr, EMAX: tl.constexpr, QM: tl.constexpr, QE: tl.constexpr, QMAX: tl.constexpr,
+                  SCALE: tl.constexpr):
+    """(stored, encode, decode, e, s_b) of every block from its amax (hf_fp4.scales, bit for bit)."""
+    e = tl.zeros(amax.shape, tl.int32)
+    s_b = amax
+    if SCALE == 0 or SCALE == 1:  # E8M0: floor (OCP) or ceil (truncation-free)
+        f = _floor_log2(amax)
+        if SCALE == 0:
+            e = f - EMAX
+        else:
+            r = amax * _pow2(-f)  # mantissa of amax in [1, 2)
+            e = tl.where(r <= QM, f - QE, f - QE + 1)
+        e = tl.where(amax > 0, e, -127)
+        e = tl.minimum(tl.maximum(e, -127), 127)
+        stored = (e + 127).to(tl.uint8)
+        decode = _pow2(e)
+        encode = _pow2(-e)
+    elif SCALE == 2:  # UE4M3 block scale + FP32 tensor scale
+        s_enc = tl.load(senc_ptr)
+        s_dec = tl.load(senc_ptr + 1)
+        block = tl.minimum(tl.math.div_rn(amax, QMAX) * s_enc, 3.4028234663852886e38)
+        s_b = _round_grid(block, block, -6, 3, 448.0, False)
+        stored = _grid_code(s_b, -6, 3).to(tl.uint8)
+        decode = s_b * s_dec
+        encode = tl.where(s_b > 0, tl.math.div_rn(tl.full(decode.shape, 1.0, tl.float32), decode), 0.0)
+    else:  # FP32
+        decode = tl.math.div_rn(amax, QMAX)
+        encode = tl.where(decode > 0, tl.math.div_rn(tl.full(decode.shape, 1.0, tl.float32), decode), 0.0)
+        stored = decode
+    return stored, encode, decode, e, s_b
+
+
+@triton.jit
 def _quantize_kernel(x_ptr, codes_ptr, scales_ptr, amax_ptr, mu_ptr, signs_ptr, bad_ptr,
                      op_ptr, eref_ptr, lost_ptr, OP_COLS,
                      M, K, KP, stride_m, stride_k, senc_ptr, seed,
@@ -136,31 +169,7 @@ def _quantize_kernel(x_ptr, codes_ptr, scales_ptr, amax_ptr, mu_ptr, signs_ptr, 
         tl.store(amax_ptr + pid_m * tl.num_programs(1) + pid_k, tl.max(tl.max(amax, axis=1), axis=0))
         tl.store(bad_ptr + pid_m * tl.num_programs(1) + pid_k, tl.max(tl.max(bad.to(tl.int32), axis=1), axis=0))
         return
-    # ---- block scales (hf_fp4.scales) ----
-    if SCALE == 0 or SCALE == 1:  # E8M0: floor (OCP) or ceil (truncation-free)
-        f = _floor_log2(amax)
-        if SCALE == 0:
-            e = f - EMAX
-        else:
-            r = amax * _pow2(-f)  # mantissa of amax in [1, 2)
-            e = tl.where(r <= QM, f - QE, f - QE + 1)
-        e = tl.where(amax > 0, e, -127)
-        e = tl.minimum(tl.maximum(e, -127), 127)
-        stored = (e + 127).to(tl.uint8)
-        decode = _pow2(e)
-        encode = _pow2(-e)
-    elif SCALE == 2:  # UE4M3 block scale + FP32 tensor scale
-        s_enc = tl.load(senc_ptr)
-        s_dec = tl.load(senc_ptr + 1)
-        block = tl.minimum(tl.math.div_rn(amax, QMAX) * s_enc, 3.4028234663852886e38)
-        s_b = _round_grid(block, block, -6, 3, 448.0, False)
-        stored = _grid_code(s_b, -6, 3).to(tl.uint8)
-        decode = s_b * s_dec
-        encode = tl.where(s_b > 0, tl.math.div_rn(tl.full(decode.shape, 1.0, tl.float32), decode), 0.0)
-    else:  # FP32
-        decode = tl.math.div_rn(amax, QMAX)
-        encode = tl.where(decode > 0, tl.math.div_rn(tl.full(decode.shape, 1.0, tl.float32), decode), 0.0)
-        stored = decode
+    stored, encode, decode, e, s_b = _block_scales(amax, senc_ptr, EMAX, QM, QE, QMAX, SCALE)
     bad_block = tl.max(tl.max(tl.reshape(bad.to(tl.int32), [NBM, BR, NBK, BC]), axis=3), axis=1) > 0
     enc = tl.reshape(tl.broadcast_to(tl.reshape(encode, [NBM, 1, NBK, 1]), [NBM, BR, NBK, BC]), [BM, BK])
     scaled = x * enc
@@ -215,6 +224,100 @@ def _quantize_kernel(x_ptr, codes_ptr, scales_ptr, amax_ptr, mu_ptr, signs_ptr, 
         tl.store(sptr, tl.where(bad_block, nan_code, stored).to(tl.uint8))
 
 
+@triton.jit
+def _quantize_1d_kernel(x_ptr, codes_ptr, scales_ptr, amax_ptr, mu_ptr, bad_ptr, op_ptr, eref_ptr, lost_ptr, OP_COLS,
+                        M, K, KP, stride_m, stride_k, senc_ptr, seed,
+                        BM: tl.constexpr, NB: tl.constexpr, BC: tl.constexpr,
+                        EMIN: tl.constexpr, MBITS: tl.constexpr, QMAX: tl.constexpr, QM: tl.constexpr,
+                        QE: tl.constexpr, EMAX: tl.constexpr, BITS: tl.constexpr, SCALE: tl.constexpr,
+                        STOCHASTIC: tl.constexpr, HAS_MU: tl.constexpr, AMAX_ONLY: tl.constexpr,
+                        OUT: tl.constexpr = 0, SHIFT: tl.constexpr = 0, DMAX: tl.constexpr = 0):
+    """The same computation as _quantize_kernel for 1xBC blocks without a Hadamard, on a 4D tile
+    [rows, blocks, pairs, 2] loaded as such: block reductions, scale broadcasts and nibble pairing need
+    no reshapes (no layout conversions)."""
+    BC2: tl.constexpr = BC // 2
+    pid_m, pid_k = tl.program_id(0), tl.program_id(1)
+    r = pid_m * BM + tl.arange(0, BM)
+    b = pid_k * NB + tl.arange(0, NB)
+    j = tl.arange(0, BC2)
+    t = tl.arange(0, 2)
+    row = r[:, None, None, None]
+    col = b[None, :, None, None] * BC + j[None, None, :, None] * 2 + t[None, None, None, :]
+    inside = (row < M) & (col < K)
+    x = tl.load(x_ptr + row.to(tl.int64) * stride_m + col.to(tl.int64) * stride_k, mask=inside, other=0.0)
+    x = x.to(tl.float32)
+    if HAS_MU:
+        x = tl.where(inside, x - tl.load(mu_ptr + col, mask=col < K, other=0.0), 0.0)
+    bad = (x != x) | (tl.abs(x) == float("inf"))
+    x = tl.where(bad, 0.0, x)
+    amax = tl.max(tl.max(tl.abs(x), axis=3), axis=2)  # [BM, NB]
+    if AMAX_ONLY:
+        tl.store(amax_ptr + pid_m * tl.num_programs(1) + pid_k, tl.max(tl.max(amax, axis=1), axis=0))
+        bad_any = tl.max(tl.max(tl.max(tl.max(bad.to(tl.int32), axis=3), axis=2), axis=1), axis=0)
+        tl.store(bad_ptr + pid_m * tl.num_programs(1) + pid_k, bad_any)
+        return
+    stored, encode, decode, e, s_b = _block_scales(amax, senc_ptr, EMAX, QM, QE, QMAX, SCALE)
+    bad_block = tl.max(tl.max(bad.to(tl.int32), axis=3), axis=2) > 0
+    scaled = x * encode[:, :, None, None]
+    m = tl.abs(scaled)
+    if STOCHASTIC:
+        u = tl.rand(seed, row.to(tl.int64) * KP + col)  # the reference's padded layout
+    else:
+        u = m
+    q = _round_grid(m, u, EMIN, MBITS, QMAX, STOCHASTIC)
+    sign = (scaled.to(tl.int32, bitcast=True) >> 31) & 1
+    if OUT > 0:
+        if OUT == 2:
+            e_ref = tl.load(eref_ptr)
+            lost = tl.max(tl.max(((amax > 0) & (e_ref - e > DMAX)).to(tl.int32), axis=1), axis=0)
+            tl.store(lost_ptr + pid_m * tl.num_programs(1) + pid_k, lost)
+            factor = _pow2(tl.maximum(e - e_ref + SHIFT, -149))
+        elif SCALE == 2:
+            factor = s_b
+        else:
+            factor = decode
+        val = tl.where(sign != 0, -q, q) * factor[:, :, None, None]
+        val = tl.where(bad_block[:, :, None, None], float("nan"), val)
+        optr = op_ptr + row.to(tl.int64) * OP_COLS + col
+        if OUT == 2:
+            tl.store(optr, val.to(tl.float8e4nv))
+        else:
+            tl.store(optr, val.to(tl.bfloat16))
+        return
+    code = _grid_code(q, EMIN, MBITS) | (sign << (BITS - 1))
+    code = tl.where(bad_block[:, :, None, None], 0, code)
+    ncols = tl.num_programs(1) * NB * BC
+    if BITS == 4:
+        lo, hi = tl.split(code)
+        packed = (lo | (hi << 4)).to(tl.uint8)
+        pcol = b[None, :, None] * BC2 + j[None, None, :]
+        tl.store(codes_ptr + r[:, None, None].to(tl.int64) * (ncols // 2) + pcol, packed)
+    else:
+        tl.store(codes_ptr + row.to(tl.int64) * ncols + col, code.to(tl.uint8))
+    sptr = scales_ptr + r[:, None].to(tl.int64) * (tl.num_programs(1) * NB) + b[None, :]
+    if SCALE == 3:
+        tl.store(sptr, tl.where(bad_block, float("nan"), stored))
+    else:
+        nan_code: tl.constexpr = 255 if SCALE < 2 else 127
+        tl.store(sptr, tl.where(bad_block, nan_code, stored).to(tl.uint8))
+
+
+def _launch(grid, x, codes, scales, amax, mu, signs, bad, op, eref, lost, op_cols, m, k, kp, stride_m, stride_k,
+            senc, seed, common, **flags):
+    """Run the 1D fast kernel where it applies (1xB blocks, no Hadamard, USE_1D), else the general one."""
+    if common["BR"] == 1 and common["H"] == 0 and USE_1D:
+        c = {key: v for key, v in common.items() if key not in ("BR", "BK", "H", "HSCALE", "HAS_SIGNS")}
+        c["NB"] = common["BK"] // common["BC"]
+        _quantize_1d_kernel[grid](x, codes, scales, amax, mu, bad, op, eref, lost, op_cols, m, k, kp, stride_m,
+                                  stride_k, senc, seed, **c, **flags)
+    else:
+        _quantize_kernel[grid](x, codes, scales, amax, mu, signs, bad, op, eref, lost, op_cols, m, k, kp, stride_m,
+                               stride_k, senc, seed, **common, **flags)
+
+
+USE_1D = True  # the benchmark flips it to time both kernels side by side
+
+
 # Tile shape (rows, contraction, warps); rows >= 2D tile, contraction >= block and Hadamard size.
 DEFAULT_TILE = (32, 64, 4)
 
@@ -249,8 +352,8 @@ def _amax_pass(args, grid, common, dev):
     x, m, k, kp, stride_m, stride_k, mu_t, signs_t, dummy = args
     tile_amax = torch.empty(grid, dtype=torch.float32, device=dev)
     tile_bad = torch.empty(grid, dtype=torch.int32, device=dev)
-    _quantize_kernel[grid](x, dummy, dummy, tile_amax, mu_t, signs_t, tile_bad, dummy, dummy, dummy, 0,
-                           m, k, kp, stride_m, stride_k, dummy, 0, AMAX_ONLY=True, **common)
+    _launch(grid, x, dummy, dummy, tile_amax, mu_t, signs_t, tile_bad, dummy, dummy, dummy, 0,
+            m, k, kp, stride_m, stride_k, dummy, 0, common, AMAX_ONLY=True)
     return tile_amax.max(), tile_bad
 
 
@@ -301,8 +404,8 @@ def triton_quantize(x: torch.Tensor, spec: QuantSpec, seed: int | None = None, h
                                  "nonfinite='propagate' to turn their blocks into NaN instead")
         tensor_amax = amax if need_amax else tensor_amax
     senc = _tensor_scales(spec, tensor_amax if tensor_amax is not None else dummy)
-    _quantize_kernel[grid](x2, codes, scales, dummy, mu_t, signs_t, dummy, dummy, dummy, dummy, 0,
-                           m, k, kp, stride_m, stride_k, senc, seed or 0, AMAX_ONLY=False, **common)
+    _launch(grid, x2, codes, scales, dummy, mu_t, signs_t, dummy, dummy, dummy, dummy, 0,
+            m, k, kp, stride_m, stride_k, senc, seed or 0, common, AMAX_ONLY=False)
     codes = codes[:mp, : kp // (8 // bits)]
     scales = scales[: mp // br, : kp // bc]
     if spec.scale in (ScaleRule.E8M0_FLOOR, ScaleRule.E8M0_CEIL):
@@ -372,7 +475,7 @@ def triton_gemm_operand(x: torch.Tensor, spec: QuantSpec, *, fp8: bool, k_alloc:
     else:
         scale = senc[1].reshape(()) if spec.scale is ScaleRule.UE4M3_FP32 else torch.ones((), device=dev)
         eref = dummy
-    _quantize_kernel[grid](x2, dummy, dummy, dummy, mu_t, signs_t, dummy, data, eref, lost if lost is not None
-                           else dummy, k_alloc, m, k, kp, stride_m, stride_k, senc, seed or 0, AMAX_ONLY=False,
-                           OUT=2 if fp8 else 1, SHIFT=fp8_shift(spec.grid), DMAX=fp8_dmax(spec.grid), **common)
+    _launch(grid, x2, dummy, dummy, dummy, mu_t, signs_t, dummy, data, eref, lost if lost is not None else dummy,
+            k_alloc, m, k, kp, stride_m, stride_k, senc, seed or 0, common, AMAX_ONLY=False,
+            OUT=2 if fp8 else 1, SHIFT=fp8_shift(spec.grid), DMAX=fp8_dmax(spec.grid))
     return GemmOperand(data, scale, fp8, lost, m)
