@@ -82,8 +82,6 @@ def bench_quantization(dev, n):
     text = table(f"Quantization of a {n}x{n} bf16 tensor (ms, GB/s; % of copy bandwidth = bytes/s ratio)",
                  ["kernel", "ms", "GB/s", "% of copy", "vs eager reference"], rows)
     sweep = []
-    import hf_fp4.kernels.quant as kq
-    kq.USE_1D = False
     for bm, bk, warps in [(32, 64, 4), (64, 128, 8), (256, 64, 8)]:
         row = [f"{bm}x{bk}, {warps} warps"]
         for name, kw in (("mxfp4", {}), ("nvfp4", {}), ("nvfp4", {"transpose": True})):
@@ -91,22 +89,7 @@ def bench_quantization(dev, n):
             ms = timed(lambda x: triton_quantize(x, spec, tile=(bm, bk, warps), **kw), make)
             row.append(f"{ms:.3f}")
         sweep.append(row)
-    import hf_fp4.kernels.quant as kq
-    kernels = []
-    for name, kw in (("mxfp4", {}), ("nvfp4", {}), ("nvfp4", {"transpose": True}), ("mxfp4 SR", {})):
-        spec = QuantSpec.preset(name.split()[0])
-        if name.endswith("SR"):
-            import dataclasses
-            spec = dataclasses.replace(spec, rounding="stochastic")
-        row = [name + (" transposed" if kw else "")]
-        for use_1d in (False, True):
-            kq.USE_1D = use_1d
-            row.append(f"{timed(lambda x: triton_quantize(x, spec, seed=1, **kw), make):.3f}")
-        kq.USE_1D = True
-        kernels.append(row)
-    return (text + table("Tile sweep, general kernel (ms)", ["tile", "mxfp4", "nvfp4", "nvfp4 transposed"], sweep)
-            + table("General [BM, BK] kernel vs 4D-tile kernel for 1xB blocks (ms)", ["case", "general", "4D tile"],
-                    kernels))
+    return text + table("Tile sweep (ms)", ["tile", "mxfp4", "nvfp4", "nvfp4 transposed"], sweep)
 
 
 def bench_linear(dev, tokens, shapes):

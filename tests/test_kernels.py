@@ -73,14 +73,6 @@ def test_kernel_matches_reference_bit_for_bit(spec, shape):
     assert_same(triton_quant.triton_quantize(x, spec, seed=11), ref)
 
 
-@pytest.mark.parametrize("spec", [s for s in operand_specs() if s.block[0] == 1], ids=str)
-def test_general_kernel_also_matches_for_1d_blocks(spec, monkeypatch):
-    """1D blocks normally take the 4D-tile kernel; the general kernel must agree too."""
-    monkeypatch.setattr(triton_quant, "USE_1D", False)
-    x = wide(33, 100, seed=5)
-    assert_same(triton_quant.triton_quantize(x, spec, seed=11), quantize(x, spec, seed=11))
-
-
 @pytest.mark.parametrize("name", ["nvfp4", "mxfp4", "mxfp4_up", "ufp4"])
 def test_kernel_transposed_orientation_reads_strides(name):
     x = wide(48, 80, seed=3, dtype=torch.bfloat16)
