@@ -6,7 +6,7 @@ from typing import Callable
 from torch import nn
 
 from .linear import FP4Linear
-from .recipe import GEMMS, LinearRecipe, Recipe, block_index
+from .recipe import LinearRecipe, Recipe, block_index
 
 
 def swap_linear_layers(model: nn.Module, make_fp4: Callable[[str, nn.Linear], nn.Module | None],

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import zipfile
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Callable, Iterator
 
 from .data import atomic_write_text, cache_dir
 

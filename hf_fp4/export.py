@@ -28,8 +28,6 @@ from safetensors.torch import save_file
 from .convert import fp4_modules
 from .formats import Grid
 from .integration import FP4TrainConfig
-from .linear import FP4Linear
-from .quantize import quantize
 from .scales import ScaleRule
 
 FORMATS = ("fp4", "bf16", "compressed-tensors")
@@ -79,17 +77,6 @@ def _plain_config(model) -> dict:
     return cfg
 
 
-def packed_layer(module: FP4Linear):
-    """QuantizedTensor of the layer's fprop weight operand (RTN, as fprop uses it)."""
-    spec = module.recipe.fprop.rhs
-    w = module.weight.detach().float()
-    gemm = module.recipe.fprop
-    if gemm.hadamard.enabled:
-        from .hadamard import apply_hadamard
-        w = apply_hadamard(w, gemm.hadamard.size, module.hadamard_signs(gemm, 0))
-    return quantize(w, spec)
-
-
 def export_fp4(model, tokenizer, output, overwrite=False) -> Path:
     fp4 = fp4_modules(model)
     if not fp4:
@@ -98,7 +85,7 @@ def export_fp4(model, tokenizer, output, overwrite=False) -> Path:
     for name, module in fp4.items():
         if module.recipe.fprop.rhs is None or module.frozen_weight:
             continue
-        q = packed_layer(module)
+        q = module.quantized_fprop_weight()
         del state[f"{name}.weight"]
         state[f"{name}.weight_packed"] = q.codes.cpu()
         state[f"{name}.weight_scale"] = q.scales.view(torch.uint8).cpu() if q.scales.dtype != torch.float32 \
@@ -152,7 +139,7 @@ def export_compressed_tensors(model, tokenizer, output, overwrite=False) -> Path
         if m.recipe.fprop.rhs is None:
             ignore.append(name)
             continue
-        q = packed_layer(m)
+        q = m.quantized_fprop_weight()
         n, k = m.out_features, m.in_features
         scales = q.scales.float() if q.spec.block[0] == 1 else q.scales.float().repeat_interleave(16, 0)
         del state[f"{name}.weight"]

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from .hadamard import apply_hadamard, remove_mean_bias, seeded_signs
-from .quantize import fake_quantize
+from .quantize import fake_quantize, quantize
 from .recipe import GemmSpec, HadamardKind, LinearRecipe
 from .spec import QuantSpec, Rounding
 
@@ -111,17 +111,24 @@ class FP4Linear(nn.Linear):
         self.lora_svd_A.copy_(a)
         self.weight.copy_(full - self.lora_svd_B.float() @ self.lora_svd_A.float())
 
-    def fprop_weight_operand(self) -> torch.Tensor:
-        """The weight operand of fprop in FP32: Q(W R) (rotated when fprop has a Hadamard), as trained."""
-        w = self.weight.detach().float()
-        if self.frozen_weight:
-            return w
+    def quantized_fprop_weight(self):
+        """QuantizedTensor of fprop's weight operand Q(W R) (R: fprop's Hadamard), or None if unquantized."""
         gemm = self.recipe.fprop
+        if gemm.rhs is None:
+            return None
+        w = self.weight.detach().float()
         if gemm.hadamard.enabled:
-            if gemm.hadamard.kind.value == "random_per_step":
+            if gemm.hadamard.kind is HadamardKind.RANDOM_PER_STEP:
                 raise ValueError(f"{self.layer_name}: per-step random Hadamard has no fixed weight operand")
             w = apply_hadamard(w, gemm.hadamard.size, self.hadamard_signs(gemm, 0))
-        return fake_quantize(w, gemm.rhs) if gemm.rhs is not None else w
+        return quantize(w, gemm.rhs)
+
+    def fprop_weight_operand(self) -> torch.Tensor:
+        """The weight operand of fprop in FP32: Q(W R) (rotated when fprop has a Hadamard), as trained."""
+        if self.frozen_weight:
+            return self.weight.detach().float()
+        q = self.quantized_fprop_weight()
+        return q.dequantize() if q is not None else self.weight.detach().float()
 
     def dequantized_weight(self) -> torch.Tensor:
         """The weight a plain nn.Linear needs for the same product: Q(W R) R^T (+ B A), in FP32."""

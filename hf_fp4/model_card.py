@@ -3,7 +3,6 @@ table, the training config and the loss-curve picture. Template: model_cards/tem
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import yaml

@@ -28,7 +28,7 @@ import dataclasses
 import enum
 import fnmatch
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from .hadamard import HADAMARD_SIZES

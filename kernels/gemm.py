@@ -15,17 +15,15 @@ range, and a 4-bit value times a UE4M3 scale has at most 8 significant bits, so:
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 
-from hf_fp4.formats import Grid, grid_max
+from hf_fp4.formats import Grid
 from hf_fp4.quantize import QuantizedTensor
 from hf_fp4.scales import ScaleRule, e8m0_exponent
 
-from .quant import GRID_PARAMS, SCALE_CODES, _pow2
+from .quant import GRID_PARAMS, SCALE_CODES, _pow2, fp8_dmax, fp8_shift
 
 
 @triton.jit
@@ -73,14 +71,9 @@ def _operand_kernel(codes_ptr, scales_ptr, row_exp_ptr, out_ptr, M, KP,
         tl.store(optr, out.to(tl.bfloat16), mask=inside)
 
 
-def _shift(grid: Grid) -> int:
-    return int(math.floor(math.log2(448.0 / grid_max(grid))))
-
-
 def fp8_range_ok(q: QuantizedTensor) -> tuple[bool, torch.Tensor]:
     """Whether every row's non-zero blocks lie within D_MAX binades of its largest; the row exponents."""
-    emin, mbits = GRID_PARAMS[q.spec.grid]
-    d_max = _shift(q.spec.grid) + 9 + emin - mbits
+    d_max = fp8_dmax(q.spec.grid)
     e = e8m0_exponent(q.scales).repeat_interleave(q.spec.block[0], 0)[: q.codes.shape[0]]
     e_row = e.amax(dim=1)
     e_min = torch.where(e > -127, e, torch.full_like(e, 1000)).amin(dim=1)
@@ -98,7 +91,7 @@ def gemm_operand(q: QuantizedTensor, fp8: bool, row_exp: torch.Tensor | None = N
     _operand_kernel[grid](q.codes, q.scales.view(torch.uint8), row_exp if row_exp is not None else q.codes,
                           out, mp, kp, BM=bm, BK=bk, BR=q.spec.block[0], BC=q.spec.block[1], EMIN=emin,
                           MBITS=mbits, BITS=8 if q.spec.grid is Grid.E4M3 else 4,
-                          SCALE=SCALE_CODES[q.spec.scale], SHIFT=_shift(q.spec.grid), FP8=fp8)
+                          SCALE=SCALE_CODES[q.spec.scale], SHIFT=fp8_shift(q.spec.grid), FP8=fp8)
     return out
 
 
@@ -130,8 +123,8 @@ def quantized_matmul(a: QuantizedTensor, b: QuantizedTensor, m: int, n: int) -> 
         mp, np_ = m + (-m % 16), n + (-n % 16)  # _scaled_mm wants multiples of 16
         oa = _pad_rows(_pad_cols(gemm_operand(a, True, row_a), k)[:m], mp)
         ob = _pad_rows(_pad_cols(gemm_operand(b, True, row_b), k)[:n], np_)
-        sa = _pad_rows(torch.ldexp(torch.ones(m, 1, device=oa.device), (row_a[:m] - _shift(a.spec.grid))[:, None]), mp)
-        sb = _pad_rows(torch.ldexp(torch.ones(n, 1, device=oa.device), (row_b[:n] - _shift(b.spec.grid))[:, None]), np_)
+        sa = _pad_rows(torch.ldexp(torch.ones(m, 1, device=oa.device), (row_a[:m] - fp8_shift(a.spec.grid))[:, None]), mp)
+        sb = _pad_rows(torch.ldexp(torch.ones(n, 1, device=oa.device), (row_b[:n] - fp8_shift(b.spec.grid))[:, None]), np_)
         out = torch._scaled_mm(oa, ob.t(), scale_a=sa.contiguous(), scale_b=sb.t().contiguous(),
                                out_dtype=torch.float32)
         return out[:m, :n]

@@ -8,7 +8,6 @@ events, warm-up, medians over fresh random inputs.  Ratios are measured side by 
 """
 import argparse
 import datetime
-import json
 import platform
 import statistics
 import sys

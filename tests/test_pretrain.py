@@ -1,6 +1,5 @@
 """scripts/pretrain.py and the trainer: config validation, non-finite steps, SIGKILL + exact resume."""
 import json
-import math
 import os
 import signal
 import subprocess
