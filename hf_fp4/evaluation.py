@@ -28,6 +28,12 @@ def load_model(model_dir: str, gguf_file: str | None = None, dtype: torch.dtype 
     if not gguf_file and not (path / "config.json").exists():
         raise FileNotFoundError(f"{model_dir} has no config.json: not a Hugging Face model directory "
                                 "(for a GGUF file pass --gguf FILE)")
+    if gguf_file and not (path / gguf_file).exists():
+        raise FileNotFoundError(f"{path / gguf_file} not found")
+    weights = list(path.glob("*.safetensors")) + list(path.glob("*.bin"))
+    if not gguf_file and not weights:
+        raise FileNotFoundError(f"{model_dir} has a config.json but no weights (*.safetensors / *.bin): a partial "
+                                "or interrupted checkpoint; export or save it again")
     try:
         tok = AutoTokenizer.from_pretrained(model_dir, **kwargs)
     except Exception as err:

@@ -109,6 +109,27 @@ def test_compressed_tensors_refuses_other_recipes(trained, tmp_path):
     assert not (tmp_path / "ct").exists()
 
 
+def test_missing_tokenizer_and_partial_checkpoints_are_clear_errors(trained, tmp_path):
+    import shutil
+    from hf_fp4.evaluation import load_model
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    shutil.copy(trained["ufp4"] / "config.json", partial / "config.json")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(trained["ufp4"] / name, partial / name)
+    with pytest.raises(FileNotFoundError, match="no weights"):
+        load_model(str(partial))
+    no_tok = tmp_path / "no_tok"
+    no_tok.mkdir()
+    for f in trained["ufp4"].iterdir():
+        if f.is_file() and not f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy(f, no_tok / f.name)
+    with pytest.raises(ValueError, match="no usable tokenizer"):
+        load_model(str(no_tok))
+    with pytest.raises(FileNotFoundError, match="not found"):
+        load_model(str(trained["ufp4"]), gguf_file="model.gguf")
+
+
 def test_export_errors_are_clear(trained, tmp_path):
     with pytest.raises(FileNotFoundError, match="not found"):
         export_model(str(tmp_path / "missing"), "fp4", str(tmp_path / "x"))
