@@ -45,7 +45,7 @@ def _dedup_state_dict(model) -> dict[str, torch.Tensor]:
     return out
 
 
-def _write_dir(output: Path, overwrite: bool, write) -> Path:
+def write_dir_atomically(output: Path, overwrite: bool, write) -> Path:
     output = Path(output)
     if output.exists() and not overwrite:
         raise FileExistsError(f"{output} exists; pass --overwrite to replace it")
@@ -96,7 +96,7 @@ def export_fp4(model, tokenizer, output, overwrite=False) -> Path:
     qc = qc if isinstance(qc, FP4TrainConfig) else FP4TrainConfig.from_dict(qc)
     cfg = model.config.to_dict()
     cfg["quantization_config"] = {**qc.to_dict(), "packed": True}
-    return _write_dir(output, overwrite, lambda p: _save_common(model, tokenizer, cfg, state, p))
+    return write_dir_atomically(output, overwrite, lambda p: _save_common(model, tokenizer, cfg, state, p))
 
 
 def export_bf16(model, tokenizer, output, overwrite=False, dtype=torch.bfloat16) -> Path:
@@ -108,7 +108,7 @@ def export_bf16(model, tokenizer, output, overwrite=False, dtype=torch.bfloat16)
     state = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in state.items()}
     cfg = _plain_config(model)
     cfg["dtype"] = str(dtype).removeprefix("torch.")
-    return _write_dir(output, overwrite, lambda p: _save_common(model, tokenizer, cfg, state, p))
+    return write_dir_atomically(output, overwrite, lambda p: _save_common(model, tokenizer, cfg, state, p))
 
 
 def check_compressed_tensors(model) -> None:
@@ -153,7 +153,7 @@ def export_compressed_tensors(model, tokenizer, output, overwrite=False) -> Path
                             quantization_status="compressed", ignore=sorted(ignore))
     cfg = _plain_config(model)
     cfg["quantization_config"] = json.loads(qc.model_dump_json())
-    return _write_dir(output, overwrite, lambda p: _save_common(model, tokenizer, cfg, state, p))
+    return write_dir_atomically(output, overwrite, lambda p: _save_common(model, tokenizer, cfg, state, p))
 
 
 def export_model(model_dir: str, fmt: str, output: str, overwrite: bool = False, dtype: str = "bfloat16") -> dict:

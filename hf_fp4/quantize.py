@@ -169,6 +169,11 @@ def quantize(x: torch.Tensor, spec: "QuantSpec | str", generator: torch.Generato
         return triton_quantize(x, spec, seed=seed)
     if backend != "reference":
         raise ValueError(f"unknown backend {backend!r}; valid: reference, triton")
+    return _quantize_ref(x, spec, generator, noise, seed)[0]
+
+
+def _quantize_ref(x, spec: QuantSpec, generator, noise, seed) -> tuple[QuantizedTensor, _Scaled]:
+    """The reference quantizer; also returns its intermediate state (for the error statistics)."""
     state = _scale(x, spec)
     if spec.rounding is Rounding.STOCHASTIC and noise is None:
         if seed is not None:
@@ -181,7 +186,7 @@ def quantize(x: torch.Tensor, spec: "QuantSpec | str", generator: torch.Generato
         codes = torch.where(expand_blocks(state.bad_blocks, spec.block), torch.zeros_like(codes), codes)
         stored = _nan_scales(stored, state.bad_blocks)
     return QuantizedTensor(pack_codes(codes, spec.grid), stored, state.scales.tensor_scale,
-                           x.shape, spec)
+                           x.shape, spec), state
 
 
 def fake_quantize(x: torch.Tensor, spec: "QuantSpec | str", generator: torch.Generator | None = None,
@@ -195,8 +200,7 @@ def quant_error_stats(x: torch.Tensor, spec: "QuantSpec | str",
                       generator: torch.Generator | None = None) -> dict[str, float]:
     """SQNR (dB), relative MSE, gain <Q(x),x>/<x,x> (shrinkage), saturated fraction, zero-code fraction."""
     spec = as_spec(spec)
-    state = _scale(x, spec)
-    q = quantize(x, spec, generator)
+    q, state = _quantize_ref(x, spec, generator, None, None)
     xf = as_matrix(x).double().flatten()
     qf = q.dequantize(torch.float64).flatten()
     signal, err = (xf * xf).sum(), ((xf - qf) ** 2).sum()

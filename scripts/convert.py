@@ -14,7 +14,7 @@ from pathlib import Path
 
 import hf_fp4  # noqa: F401
 from hf_fp4.evaluation import load_model, post_training_quantize
-from hf_fp4.export import _write_dir, export_fp4
+from hf_fp4.export import write_dir_atomically, export_fp4
 from hf_fp4.integration import FP4TrainConfig, apply_fp4_config
 
 
@@ -45,7 +45,7 @@ def main(argv=None):
             def write(path: Path):
                 model.save_pretrained(path)
                 tok.save_pretrained(path)
-            out = _write_dir(Path(args.output), args.overwrite, write)
+            out = write_dir_atomically(Path(args.output), args.overwrite, write)
         else:
             post_training_quantize(model, args.recipe, args.hadamard or "none", args.hadamard_size)
             out = export_fp4(model, tok, args.output, args.overwrite)
