@@ -51,6 +51,10 @@ _MAGNITUDES: dict[Grid, list[float]] = {
     Grid.E4M3: _e4m3_magnitudes(),
 }
 
+#: Each grid as a float format (EMIN, MBITS): the step at magnitude m is 2^(max(floor(log2 m), EMIN) - MBITS).
+#: INT4 and E1M2 are uniform grids (one binade).
+FLOAT_PARAMS = {Grid.E2M1: (0, 1), Grid.E1M2: (0, 2), Grid.INT4: (2, 2), Grid.E4M3: (-6, 3)}
+
 #: Bits of one element code.
 ELEMENT_BITS = {Grid.E2M1: 4, Grid.E1M2: 4, Grid.INT4: 4, Grid.E4M3: 8}
 

@@ -41,13 +41,19 @@ def hadamard_matrix(n: int, signs: torch.Tensor | None = None, dtype: torch.dtyp
 
 def random_signs(n: int, generator: torch.Generator | None = None) -> torch.Tensor:
     """A random +-1 vector of length n (FP32) from `generator` (CPU)."""
-    bits = torch.randint(0, 2, (n,), generator=generator)
+    bits = torch.randint(0, 2, (n,), generator=generator, device="cpu")  # also under a meta default device
     return (bits * 2 - 1).float()
 
 
 def seeded_signs(n: int, seed: int) -> torch.Tensor:
     """The sign vector of a seed: the same seed always gives the same vector."""
     return random_signs(n, torch.Generator().manual_seed(seed))
+
+
+def padded_width(k: int, hadamard: int, block: int) -> int:
+    """The reference's padded contraction length: K rounded up to the Hadamard size, then to the block."""
+    k += -k % (hadamard or 1)
+    return k + -k % block
 
 
 def apply_hadamard(x: torch.Tensor, n: int, signs: torch.Tensor | None = None) -> torch.Tensor:

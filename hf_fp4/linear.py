@@ -1,38 +1,42 @@
 """FP4Linear: an nn.Linear that trains with an FP4 recipe through one autograd function.
 
 The master weight stays a high-precision Parameter (`weight`, the same name as nn.Linear, so PEFT,
-checkpoints and HF tooling see an ordinary Linear).  `FP4LinearFunction` computes the three GEMMs
-of RESEARCH.md, each operand quantized by `quantize_operand` with the spec its GEMM names:
+checkpoints and HF tooling see an ordinary Linear).  `FP4LinearFunction` takes tensors and recipe
+data (a `LinearPlan`, hf_fp4.operands), never the module, and computes the three GEMMs of RESEARCH.md
+from operands made by the operand layer -- each tensor read once for both of its orientations:
 
     fprop: y  = Q(x)    Q(W)^T       [T,K] @ [K,N] -> [T,N]
     dgrad: dx = Q(dy)   Q(W^T)^T     [T,N] @ [N,K] -> [T,K]
     wgrad: dW = Q(dy^T) Q(x^T)^T     [N,T] @ [T,K] -> [N,K]
 
-The reference backend multiplies the dequantized operands in FP32 (exact products, FP32
-accumulation).  Stochastic rounding and random Hadamard signs come from counter-based seeds
-(recipe seed, layer id, call number, GEMM, operand), so a run is reproducible and a resumed run
-continues the same stream once `sr_calls` is restored (see `rng_state_dict`).
+Backends: "reference" (FP32 fake quantization, any device), "triton" (fused operand kernels, FP8 or
+BF16 tensor-core GEMMs, exact), "auto" (triton on CUDA).  Stochastic rounding and per-step random
+Hadamard signs draw from Philox with seed = base(layer, GEMM, operand) + step * STEP_MIX, where the
+step counter is a device tensor: no host synchronisation, nothing for torch.compile to specialise on,
+and a resumed run continues the same stream once `sr_calls` is restored (see `rng_state_dict`).
 """
 from __future__ import annotations
 
 import contextlib
-import dataclasses
+import functools
 import zlib
 from typing import Callable
 
 import torch
 from torch import nn
 
-from .hadamard import apply_hadamard, remove_mean_bias, seeded_signs
-from .quantize import fake_quantize, quantize
-from .recipe import GemmSpec, HadamardKind, LinearRecipe
-from .spec import QuantSpec, Rounding
-
-BACKENDS = ("auto", "reference", "triton")
+from .hadamard import apply_hadamard, seeded_signs
+from .operands import BACKENDS, LinearPlan, Operand, gemm, operand_values, operands
+from .philox import STEP_MIX, philox_signs, step_seed
+from .quantize import quantize
+from .recipe import GEMMS, HadamardKind, LinearRecipe
 
 # Observers see every quantized operand: fn(module, gemm, role, operand, quantized, spec).
-# Off the hot path: the list is empty unless a test or `hf_fp4.diagnostics` registers one.
+# Off the hot path (eager only): the list is empty unless a test or `hf_fp4.diagnostics` registers one.
 _OBSERVERS: list[Callable] = []
+# The orientations of each tensor, as (GEMM, role) pairs: x, W, dy.
+ROLES = {"x": (("fprop", "lhs"), ("wgrad", "rhs")), "w": (("fprop", "rhs"), ("dgrad", "rhs")),
+         "dy": (("dgrad", "lhs"), ("wgrad", "lhs"))}
 
 
 @contextlib.contextmanager
@@ -45,7 +49,7 @@ def observe_operands(fn: Callable):
         _OBSERVERS.remove(fn)
 
 
-def _seed(*parts) -> int:
+def _crc(*parts) -> int:
     return zlib.crc32("/".join(str(p) for p in parts).encode())
 
 
@@ -56,12 +60,7 @@ class FP4Linear(nn.Linear):
                  recipe: LinearRecipe | None = None, name: str = "", seed: int = 0,
                  device=None, dtype=None):
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
-        self.recipe = recipe or LinearRecipe()
-        self.layer_name = name
-        self.seed = seed
-        self.sr_calls = 0          # forward calls so far: the counter behind SR noise and per-step signs
-        self.backend = "auto"
-        self.frozen_weight = False  # True after loading a packed FP4 export: weight holds Q(W R) as is
+        self._setup(recipe or LinearRecipe(), name, seed)
         self._init_lora(device, dtype)
 
     @classmethod
@@ -73,10 +72,50 @@ class FP4Linear(nn.Linear):
         new.in_features, new.out_features = linear.in_features, linear.out_features
         new.weight = w
         new.bias = linear.bias
-        new.recipe, new.layer_name, new.seed, new.sr_calls, new.backend = recipe, name, seed, 0, "auto"
-        new.frozen_weight = False
+        new._setup(recipe, name, seed)
         new._init_lora(w.device, w.dtype)
         return new
+
+    def _setup(self, recipe: LinearRecipe, name: str, seed: int) -> None:
+        self._frozen_weight = False
+        self.recipe = recipe
+        self.layer_name = name
+        self.seed = seed
+        self.backend = "auto"
+        # Plain tensor attributes, not buffers: they are not weights, and HF's meta-device loading
+        # would leave non-persistent buffers uninitialised.  Created on the input's device at first use.
+        # Seeds and fixed sign vectors are computed here, eagerly (crc32 and torch.Generator are not
+        # traceable); device copies follow the module (see _apply).  Plain attributes, not buffers:
+        # they are not weights, and HF's meta-device loading leaves non-persistent buffers uninitialised.
+        self._bases = [self.seed_base(g, r) for t in ("x", "w", "dy") for g, r in ROLES[t]]
+        self._signs_cpu = {g: self.hadamard_signs(g) for g in GEMMS
+                           if self.recipe.gemm(g).hadamard.kind is not HadamardKind.RANDOM_PER_STEP}
+        self._place_rng(torch.zeros((), dtype=torch.int64, device=self.weight.device))
+        self._rht_base = _crc(seed, name, "rht")
+
+    # The recipe's LinearPlans (one per backend) are built eagerly whenever the recipe or the frozen
+    # flag changes, so torch.compile only ever reads them.
+    @property
+    def recipe(self) -> LinearRecipe:
+        return self._recipe
+
+    @recipe.setter
+    def recipe(self, recipe: LinearRecipe) -> None:
+        self._recipe = recipe
+        self._build_plans()
+
+    @property
+    def frozen_weight(self) -> bool:
+        """True after loading a packed FP4 export: `weight` holds Q(W R) as stored, for inference."""
+        return self._frozen_weight
+
+    @frozen_weight.setter
+    def frozen_weight(self, value: bool) -> None:
+        self._frozen_weight = bool(value)
+        self._build_plans()
+
+    def _build_plans(self) -> None:
+        self._plans = {b: LinearPlan.build(self._recipe, b, self._frozen_weight) for b in ("reference", "triton")}
 
     # ------------------------------------------------------------------------------------------
     # LoRA-SVD residual compensation (Full-Stack FP4)
@@ -111,17 +150,19 @@ class FP4Linear(nn.Linear):
         self.lora_svd_A.copy_(a)
         self.weight.copy_(full - self.lora_svd_B.float() @ self.lora_svd_A.float())
 
+    # ------------------------------------------------------------------------------------------
+    # Weight views (export, conversion, diagnostics)
     def quantized_fprop_weight(self):
         """QuantizedTensor of fprop's weight operand Q(W R) (R: fprop's Hadamard), or None if unquantized."""
-        gemm = self.recipe.fprop
-        if gemm.rhs is None:
+        gemm_spec = self.recipe.fprop
+        if gemm_spec.rhs is None:
             return None
         w = self.weight.detach().float()
-        if gemm.hadamard.enabled:
-            if gemm.hadamard.kind is HadamardKind.RANDOM_PER_STEP:
+        if gemm_spec.hadamard.enabled:
+            if gemm_spec.hadamard.kind is HadamardKind.RANDOM_PER_STEP:
                 raise ValueError(f"{self.layer_name}: per-step random Hadamard has no fixed weight operand")
-            w = apply_hadamard(w, gemm.hadamard.size, self.hadamard_signs(gemm, 0))
-        return quantize(w, gemm.rhs)
+            w = apply_hadamard(w, gemm_spec.hadamard.size, self.hadamard_signs("fprop"))
+        return quantize(w, gemm_spec.rhs)
 
     def fprop_weight_operand(self) -> torch.Tensor:
         """The weight operand of fprop in FP32: Q(W R) (rotated when fprop has a Hadamard), as trained."""
@@ -133,11 +174,11 @@ class FP4Linear(nn.Linear):
     def dequantized_weight(self) -> torch.Tensor:
         """The weight a plain nn.Linear needs for the same product: Q(W R) R^T (+ B A), in FP32."""
         w = self.fprop_weight_operand()
-        gemm = self.recipe.fprop
-        if gemm.hadamard.enabled:  # R^T = H diag(s): apply H, then the signs, then drop the padding
-            n = gemm.hadamard.size
+        gemm_spec = self.recipe.fprop
+        if gemm_spec.hadamard.enabled:  # R^T = H diag(s): apply H, then the signs, then drop the padding
+            n = gemm_spec.hadamard.size
             w = apply_hadamard(w, n)
-            signs = self.hadamard_signs(gemm, 0)
+            signs = self.hadamard_signs("fprop")
             if signs is not None:
                 w = (w.reshape(w.shape[0], -1, n) * signs.to(w.device)).reshape(w.shape)
             w = w[:, : self.in_features]
@@ -152,56 +193,49 @@ class FP4Linear(nn.Linear):
         return self.weight + self.lora_svd_B @ self.lora_svd_A
 
     # ------------------------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        call = self.sr_calls
-        if torch.is_grad_enabled():
-            self.sr_calls += 1
-        y = FP4LinearFunction.apply(x, self.weight, self.bias, self, call)
-        if self.lora_svd_A is not None:
-            y = y + nn.functional.linear(nn.functional.linear(x, self.lora_svd_A), self.lora_svd_B)
-        return y
+    # Seeds and signs
+    @property
+    def sr_calls(self) -> int:
+        """Training forward calls so far (the step of the SR / per-step Hadamard streams)."""
+        return int(self._step)
 
-    def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, recipe={recipe_label(self.recipe)}"
+    @sr_calls.setter
+    def sr_calls(self, value: int) -> None:
+        self._step.fill_(int(value))
 
-    # ------------------------------------------------------------------------------------------
-    def hadamard_signs(self, gemm: GemmSpec, call: int) -> torch.Tensor | None:
-        h = gemm.hadamard
+    def seed_base(self, gemm_name: str, role: str) -> int:
+        return _crc(self.seed, self.layer_name, gemm_name, role)
+
+    def sr_seed(self, gemm_name: str, role: str, call: int) -> int:
+        """The Philox seed of one operand at one call (what the kernels and the reference draw with)."""
+        return step_seed(self.seed_base(gemm_name, role), call)
+
+    def hadamard_signs(self, gemm_name: str, step: "int | torch.Tensor" = 0) -> torch.Tensor | None:
+        """The sign vector of a GEMM's Hadamard: fixed per layer (seeded by the recipe seed) or per step."""
+        h = self.recipe.gemm(gemm_name).hadamard
         if h.kind is HadamardKind.RANDOM_FIXED:
             return seeded_signs(h.size, self.seed)
         if h.kind is HadamardKind.RANDOM_PER_STEP:
-            return seeded_signs(h.size, _seed(self.seed, self.layer_name, call, "rht"))
+            return philox_signs(step_seed(self._rht_base, step), h.size,
+                                step.device if isinstance(step, torch.Tensor) else None)
         return None
 
-    def quantize_operand(self, t: torch.Tensor, spec: QuantSpec | None, gemm_name: str, role: str,
-                         call: int) -> torch.Tensor:
-        """One GEMM operand ([rows, contraction], already rotated) -> FP32 (fake-quantized) values."""
-        tf = t.float()
-        if spec is None:
-            q = tf
-        else:
-            gen = None
-            if spec.rounding is Rounding.STOCHASTIC:
-                gen = torch.Generator(device=t.device)
-                gen.manual_seed(self.sr_seed(gemm_name, role, call))
-            q = fake_quantize(tf, spec, gen)
-        for fn in _OBSERVERS:
-            fn(self, gemm_name, role, tf, q, spec)
-        return q
+    def _place_rng(self, step: torch.Tensor) -> None:
+        """The step counter, seed bases and fixed sign vectors on step's device."""
+        dev = step.device
+        self._step = step
+        self._seed_bases = torch.tensor(self._bases, dtype=torch.int64, device=dev)
+        self._fixed_signs = {g: s.to(dev) if s is not None else None for g, s in self._signs_cpu.items()}
 
-    def gemm_operands(self, gemm_name: str, lhs: torch.Tensor, rhs: torch.Tensor, call: int):
-        """Rotate (if the GEMM asks) and quantize both operands of one GEMM."""
-        gemm = self.recipe.gemm(gemm_name)
-        signs = self.hadamard_signs(gemm, call)
-        frozen = self.frozen_weight and gemm_name == "fprop"
-        if gemm.hadamard.enabled:
-            lhs = apply_hadamard(lhs, gemm.hadamard.size, signs)
-            if not frozen:
-                rhs = apply_hadamard(rhs, gemm.hadamard.size, signs)
-        lhs_q = self.quantize_operand(lhs, gemm.lhs, gemm_name, "lhs", call)
-        if frozen:  # a packed export: the stored weight is the quantized (rotated) operand itself
-            return lhs_q, rhs.float()
-        return lhs_q, self.quantize_operand(rhs, gemm.rhs, gemm_name, "rhs", call)
+    def _apply(self, fn, recurse=True):
+        """Module.to()/cuda()/to_empty() move the RNG state too (a counter never held on meta starts at 0)."""
+        super()._apply(fn, recurse)
+        meta = self._step.is_meta
+        step = fn(torch.zeros((), dtype=torch.int64) if meta else self._step)
+        if meta and not step.is_meta:
+            step = torch.zeros_like(step)  # to_empty() gives uninitialised memory
+        self._place_rng(step)
+        return self
 
     def resolved_backend(self, t: torch.Tensor) -> str:
         """'triton' (fused kernels + exact fast GEMMs) on CUDA, 'reference' elsewhere, unless forced."""
@@ -211,76 +245,27 @@ class FP4Linear(nn.Linear):
             return "triton" if t.is_cuda else "reference"
         return self.backend
 
-    def sr_seed(self, gemm_name: str, role: str, call: int) -> int:
-        return _seed(self.seed, self.layer_name, call, gemm_name, role)
+    # ------------------------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        plan = self._plans[self.resolved_backend(x)]
+        if self._step.device != x.device:  # moved without Module.to() (e.g. by a sharding wrapper)
+            self._place_rng(self._step.to(x.device) if not self._step.is_meta else
+                            torch.zeros((), dtype=torch.int64, device=x.device))
+        step, bases, fixed = self._step, self._seed_bases, self._fixed_signs
+        training = torch.is_grad_enabled()
+        seeds = bases + step * STEP_MIX
+        signs = tuple(fixed[g] if g in fixed else self.hadamard_signs(g, step) for g in GEMMS)
+        if training:
+            step.add_(1)
+        need = (training and x.requires_grad, training and self.weight.requires_grad)
+        observer = functools.partial(_notify, self) if _OBSERVERS else None
+        y = FP4LinearFunction.apply(x, self.weight, self.bias, seeds, signs, plan, need, _out_dtype(x), observer)
+        if self.lora_svd_A is not None:
+            y = y + nn.functional.linear(nn.functional.linear(x, self.lora_svd_A), self.lora_svd_B)
+        return y
 
-    def triton_operand(self, t: torch.Tensor, spec: QuantSpec, gemm_name: str, role: str, call: int,
-                       size: int = 0, signs: torch.Tensor | None = None):
-        """One operand through the fused kernel (a strided view is read in place: no transpose copied)."""
-        from .kernels.quant import triton_quantize
-
-        fast = dataclasses.replace(spec, nonfinite="propagate")  # NaN reaches the loss: the trainer skips
-        q = triton_quantize(t, fast, seed=self.sr_seed(gemm_name, role, call), hadamard=size, signs=signs)
-        if _OBSERVERS:
-            operand = apply_hadamard(t, size, signs) if size else t.float()
-            for fn in _OBSERVERS:
-                fn(self, gemm_name, role, operand, q.dequantize(), spec)
-        return q
-
-    def triton_operands(self, gemm_name: str, lhs: torch.Tensor, rhs: torch.Tensor, call: int):
-        gemm = self.recipe.gemm(gemm_name)
-        signs = self.hadamard_signs(gemm, call)
-        size = gemm.hadamard.size if gemm.hadamard.enabled else 0
-        return (self.triton_operand(lhs, gemm.lhs, gemm_name, "lhs", call, size, signs),
-                self.triton_operand(rhs, gemm.rhs, gemm_name, "rhs", call, size, signs))
-
-    def uses_triton(self, gemm_name: str, t: torch.Tensor) -> bool:
-        spec = self.recipe.gemm(gemm_name)
-        return (self.resolved_backend(t) == "triton" and spec.lhs is not None and spec.rhs is not None
-                and not self.frozen_weight)
-
-    def fast_operands(self, gemm_name: str, lhs: torch.Tensor, rhs: torch.Tensor, call: int):
-        """Both operands of one GEMM quantized straight into GEMM form (FP8 when exact, else BF16)."""
-        from .kernels.quant import fp8_capable, round_up, triton_gemm_operand
-
-        gemm = self.recipe.gemm(gemm_name)
-        signs = self.hadamard_signs(gemm, call)
-        size = gemm.hadamard.size if gemm.hadamard.enabled else 0
-        k_alloc = round_up(lhs.shape[1], 256 if max(size, gemm.lhs.block[1], gemm.rhs.block[1]) > 128 else 128)
-
-        def make(fp8: bool):
-            return [triton_gemm_operand(t, dataclasses.replace(spec, nonfinite="propagate"), fp8=fp8,
-                                        k_alloc=k_alloc, seed=self.sr_seed(gemm_name, role, call),
-                                        hadamard=size, signs=signs)
-                    for t, spec, role in ((lhs, gemm.lhs, "lhs"), (rhs, gemm.rhs, "rhs"))]
-
-        fp8 = fp8_capable(gemm.lhs) and fp8_capable(gemm.rhs)
-        ops = make(fp8)
-        if fp8 and bool(torch.stack([ops[0].lost.any(), ops[1].lost.any()]).any()):
-            ops = make(False)  # some block lies below E4M3's range: the exact BF16 form instead
-        if _OBSERVERS:  # tests and diagnostics: the same operands through the codes path
-            self.triton_operands(gemm_name, lhs, rhs, call)
-        return ops
-
-    def gemm(self, gemm_name: str, lhs: torch.Tensor, rhs: torch.Tensor, call: int,
-             out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """lhs @ rhs^T with both operands as the recipe says; an unquantized GEMM runs in their dtype."""
-        spec = self.recipe.gemm(gemm_name)
-        if not spec.quantized:
-            return lhs @ rhs.t().to(lhs.dtype)  # dtypes differ when the forward ran under autocast
-        if self.uses_triton(gemm_name, lhs):
-            from .kernels.gemm import operand_matmul
-
-            oa, ob = self.fast_operands(gemm_name, lhs, rhs, call)
-            return operand_matmul(oa, ob, lhs.shape[0], rhs.shape[0], out_dtype)
-        a, b = self.gemm_operands(gemm_name, lhs, rhs, call)
-        return a @ b.t()
-
-    def reuses_fprop_weight(self) -> bool:
-        """2D weights quantized once: dgrad reuses Q(W)^T from fprop (transposition invariance)."""
-        f, d = self.recipe.fprop, self.recipe.dgrad
-        return (f.rhs is not None and f.rhs == d.rhs and f.rhs.is_2d and f.rhs.rounding is Rounding.NEAREST
-                and not f.hadamard.enabled and not d.hadamard.enabled)
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, recipe={recipe_label(self.recipe)}"
 
 
 def recipe_label(recipe: LinearRecipe) -> str:
@@ -296,88 +281,84 @@ def _out_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
+def _notify(module: FP4Linear, tensor: str, t: torch.Tensor, plans, ops, signs) -> None:
+    """Hand each quantized orientation of a tensor to the observers (eager diagnostics and tests)."""
+    for i, ((gemm_name, role), plan, op) in enumerate(zip(ROLES[tensor], plans, ops)):
+        if plan is None or plan.form == "hp" or op is None:
+            continue
+        view = (t if i == 0 else t.t()).float()
+        operand = apply_hadamard(view, plan.hadamard, signs[GEMMS.index(gemm_name)]) if plan.hadamard else view
+        values = operand_values(op, plan, view.shape[0], view.shape[1])
+        for fn in list(_OBSERVERS):
+            fn(module, gemm_name, role, operand, values, module.recipe.gemm(gemm_name).lhs if role == "lhs"
+               else module.recipe.gemm(gemm_name).rhs)
+
+
+def _tensor_operands(t, plan: LinearPlan, seeds, signs, mu, need, tensor, observer):
+    """Both orientations of one tensor (the second only when its GEMM will run)."""
+    pair = getattr(plan, tensor)
+    plans = (pair[0], pair[1] if need else None)
+    s = tuple(signs[GEMMS.index(g)] for g, _ in ROLES[tensor])
+    ops = operands(t, plans, seeds, s, mu, plan.key(tensor, need))
+    if observer is not None:
+        observer(tensor, t if mu is None else t.float() - mu, plans, ops, signs)
+    return ops
+
+
 class FP4LinearFunction(torch.autograd.Function):
     """The three GEMMs of one FP4Linear step (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, module: FP4Linear, call: int):
-        recipe = module.recipe
-        k, n = module.in_features, module.out_features
+    def forward(ctx, x, weight, bias, seeds, signs, plan: LinearPlan, need, out_dtype, observer):
+        n, k = weight.shape
         x2 = x.reshape(-1, k)
-        mu = None
-        if recipe.mean_bias_removal:
-            x2, mu = remove_mean_bias(x2)
+        mu = x2.float().mean(0) if plan.mean_bias else None
+        ox, oxt = _tensor_operands(x2, plan, seeds[0:2], signs, mu, need[1], "x", observer)
+        ow, owt = _tensor_operands(weight, plan, seeds[2:4], signs, None, need[0], "w", observer)
         # fprop: y = Q(x) Q(W)^T    [T,K] @ [K,N] -> [T,N]
-        wq = ctx.qw = None
-        if not recipe.fprop.quantized and mu is None:
+        if plan.forms[0] == "hp" and mu is None:
             y = nn.functional.linear(x2, weight, bias)  # quantization off: exactly nn.Linear
         else:
-            if module.uses_triton("fprop", x2):
-                from .kernels.gemm import operand_matmul
-
-                ox, ow = module.fast_operands("fprop", x2, weight, call)
-                y = operand_matmul(ox, ow, x2.shape[0], n, torch.float32)
-                ctx.qw = ow if module.reuses_fprop_weight() else None
-            elif recipe.fprop.quantized:
-                xq, wq = module.gemm_operands("fprop", x2, weight, call)
-                y = xq @ wq.t()
-            else:
-                y = x2.float() @ weight.float().t()
+            y = gemm(ox, ow, (plan.x[0], plan.w[0]), x2.shape[0], n, torch.float32 if mu is not None else out_dtype)
             if mu is not None:
-                y = y + mu @ weight.float().t()  # rank-one mean term, high precision
+                y = y.float() + mu @ weight.float().t()  # rank-one mean term, high precision
             if bias is not None:
-                y = y + bias.float()
-        ctx.module, ctx.call = module, call
-        ctx.x_shape, ctx.x_dtype, ctx.has_bias = x.shape, x.dtype, bias is not None
-        ctx.save_for_backward(x2, weight, mu, wq if wq is not None and module.reuses_fprop_weight() else None)
-        return y.to(_out_dtype(x)).reshape(*x.shape[:-1], n)
+                y = y + bias
+        ctx.plan, ctx.observer = plan, observer
+        ctx.shapes = (x.shape, x.dtype, bias is not None, x2.shape[0], n, k, weight.dtype)
+        saved = list(oxt or ()) + list(owt or ())
+        ctx.n_x, ctx.n_w = len(oxt or ()), len(owt or ())
+        ctx.save_for_backward(seeds, mu, *signs, *saved)
+        return y.to(out_dtype).reshape(*x.shape[:-1], n)
 
     @staticmethod
     def backward(ctx, dy):
-        module, call = ctx.module, ctx.call
-        if module.frozen_weight:
-            raise RuntimeError(f"{module.layer_name}: a packed FP4 export holds the quantized (rotated) fprop "
-                               "weight only and is for inference; train from the training checkpoint "
-                               "(pretrain.py's final/) or the bf16 export instead")
-        x2, weight, mu, wq = ctx.saved_tensors
-        dy2 = dy.reshape(-1, module.out_features)
+        plan = ctx.plan
+        if plan.frozen_weight:
+            raise RuntimeError("a packed FP4 export holds the quantized (rotated) fprop weight only and is for "
+                               "inference; train from the training checkpoint (pretrain.py's final/) or the bf16 "
+                               "export instead")
+        x_shape, x_dtype, has_bias, t, n, k, w_dtype = ctx.shapes
+        seeds, mu, *rest = ctx.saved_tensors
+        signs, saved = tuple(rest[:len(GEMMS)]), rest[len(GEMMS):]
+        oxt = _operand(saved[:ctx.n_x])
+        owt = _operand(saved[ctx.n_x:ctx.n_x + ctx.n_w])
+        dy2 = dy.reshape(-1, n)
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        ody, odyt = _tensor_operands(dy2, plan, seeds[4:6], signs, None, need_dw, "dy", ctx.observer)
         dx = dw = db = None
-        if ctx.needs_input_grad[0]:
+        if need_dx:
             # dgrad: dx = Q(dy) Q(W^T)^T    [T,N] @ [N,K] -> [T,K]
-            if ctx.qw is not None:  # 2D weight quantized once in fprop, reused (Q(W)^T == Q(W^T))
-                from .kernels.gemm import operand_matmul
-                from .kernels.quant import triton_gemm_operand
-
-                ow = ctx.qw
-                spec = dataclasses.replace(module.recipe.dgrad.lhs, nonfinite="propagate")
-                o_dy = triton_gemm_operand(dy2, spec, fp8=ow.fp8, k_alloc=ow.data.shape[0],
-                                           seed=module.sr_seed("dgrad", "lhs", call))
-                if ow.fp8 and bool(o_dy.lost.any()):
-                    o_dy = triton_gemm_operand(dy2, spec, fp8=False, k_alloc=ow.data.shape[0],
-                                               seed=module.sr_seed("dgrad", "lhs", call))
-                if _OBSERVERS:
-                    from .kernels.quant import triton_quantize
-
-                    module.triton_operand(dy2, module.recipe.dgrad.lhs, "dgrad", "lhs", call)
-                    q_w = triton_quantize(weight, dataclasses.replace(module.recipe.fprop.rhs, nonfinite="propagate"))
-                    for fn in _OBSERVERS:
-                        fn(module, "dgrad", "rhs", weight.float().t(), q_w.dequantize().t(), module.recipe.dgrad.rhs)
-                dx = operand_matmul(o_dy, ow, dy2.shape[0], module.in_features, torch.float32, ob_transposed=True)
-            elif wq is not None:
-                dyq = module.quantize_operand(dy2, module.recipe.dgrad.lhs, "dgrad", "lhs", call)
-                wtq = wq.t()
-                for fn in _OBSERVERS:
-                    fn(module, "dgrad", "rhs", weight.float().t(), wtq, module.recipe.dgrad.rhs)
-                dx = dyq @ wtq.t()
-            else:
-                dx = module.gemm("dgrad", dy2, weight.t(), call)
-            dx = dx.to(ctx.x_dtype).reshape(ctx.x_shape)
-        if ctx.needs_input_grad[1]:
+            dx = gemm(ody, owt, (plan.dy[0], plan.w[1]), t, k, x_dtype).reshape(x_shape)
+        if need_dw:
             # wgrad: dW = Q(dy^T) Q(x^T)^T    [N,T] @ [T,K] -> [N,K]
-            dw = module.gemm("wgrad", dy2.t(), x2.t(), call)
+            dw = gemm(odyt, oxt, (plan.dy[1], plan.x[1]), n, k, torch.float32 if mu is not None else w_dtype)
             if mu is not None:
-                dw = dw.float() + dy2.float().sum(0)[:, None] * mu[None, :]
-            dw = dw.to(weight.dtype)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            db = dy2.sum(0).to(weight.dtype)
-        return dx, dw, db, None, None
+                dw = (dw + dy2.float().sum(0)[:, None] * mu[None, :]).to(w_dtype)
+        if has_bias and ctx.needs_input_grad[2]:
+            db = dy2.sum(0).to(w_dtype)
+        return dx, dw, db, None, None, None, None, None, None
+
+
+def _operand(parts) -> Operand | None:
+    return Operand(*parts) if parts else None

@@ -50,19 +50,31 @@ def assert_same(a, b):
     torch.testing.assert_close(a.dequantize(), b.dequantize(), atol=0, rtol=0, equal_nan=True)
 
 
-def test_philox_twin_matches_tl_rand():
+def test_philox_twin_matches_tl_rand_and_rand4x():
     import triton
     import triton.language as tl
 
-    @triton.jit
-    def draw(out, seed, N: tl.constexpr):
-        offs = tl.arange(0, N).to(tl.int64) + (1 << 33)
-        tl.store(out + tl.arange(0, N), tl.rand(seed, offs))
+    from hf_fp4.philox import philox_words, to_uniform
 
-    out = torch.empty(512, device=DEV)
-    for seed in (0, 977, 2**32 + 5):
-        draw[(1,)](out, seed, 512)
-        assert torch.equal(out.cpu(), philox_uniform(seed, torch.arange(512) + (1 << 33)))
+    @triton.jit
+    def draw(out, seed_ptr, N: tl.constexpr):
+        offs = tl.arange(0, N).to(tl.int64) + (1 << 33)
+        seed = tl.load(seed_ptr)  # a device-side int64 seed, as the operand kernels read it
+        tl.store(out + tl.arange(0, N), tl.rand(seed, offs))
+        u0, u1, u2, u3 = tl.rand4x(seed, offs)
+        tl.store(out + N + tl.arange(0, N), u0)
+        tl.store(out + 2 * N + tl.arange(0, N), u1)
+        tl.store(out + 3 * N + tl.arange(0, N), u2)
+        tl.store(out + 4 * N + tl.arange(0, N), u3)
+
+    out = torch.empty(5 * 512, device=DEV)
+    offsets = torch.arange(512) + (1 << 33)
+    for seed in (0, 977, 2**32 + 5, -(2**62) - 3):
+        draw[(1,)](out, torch.tensor([seed], dtype=torch.int64, device=DEV), 512)
+        words = [to_uniform(w) for w in philox_words(seed, offsets)]
+        assert torch.equal(out.cpu()[:512], philox_uniform(seed, offsets))
+        for i, w in enumerate(words):
+            assert torch.equal(out.cpu()[512 * (i + 1):512 * (i + 2)], w), i
 
 
 @pytest.mark.parametrize("spec", operand_specs(), ids=str)
@@ -132,97 +144,137 @@ def test_kernel_matches_reference_at_large_sizes_on_gpu(spec):
                 quantize(x.t().contiguous(), spec, seed=3))
 
 
-def _gemm_case(m, n, k, seed, spread):
+
+
+# ------------------------------------------------------------------------------------------------
+# GEMM operands (kernels/operand.py): both orientations of a tensor from one pass, equal to the
+# reference's dequantized values bit for bit, for every form a recipe can ask for.
+from exactness import assert_within_accumulation_error  # noqa: E402
+from hf_fp4.operands import OperandPlan, fp8_capable, gemm, operand_values, reference_operand  # noqa: E402
+
+
+def operand_cases():
+    cases = []
+    for spec in operand_specs():
+        if spec.scale.value == "fp32":
+            continue  # research-only scales run on the reference backend
+        for form in ["bf16"] + (["fp8"] if fp8_capable(spec) else []):
+            for h in ([0, 16, 64] if spec.block[0] == 1 else [0]):
+                cases.append((spec, form, h))
+    return cases
+
+
+def plan_for(spec, form, h, signed):
+    return OperandPlan(spec, h, signed, form, max(16, h, spec.block[1]))
+
+
+def assert_operands_exact(t, plans, seeds, signs, mu=None):
+    from hf_fp4.kernels.operand import triton_operands
+
+    ops = triton_operands(t, plans, seeds, signs, mu)
+    centred = t.float() - mu if mu is not None else t.float()
+    for i, (op, plan, view) in enumerate(zip(ops, plans, (centred, centred.t()))):
+        if plan is None:
+            assert op is None
+            continue
+        ref = reference_operand(view, plan, int(seeds[i]), signs[i]).data
+        got = operand_values(op, plan, view.shape[0], view.shape[1])
+        torch.testing.assert_close(got, ref, atol=0, rtol=0, equal_nan=True, msg=lambda m: f"{plan}: {m}")
+    return ops
+
+
+@pytest.mark.parametrize("spec,form,h", operand_cases(), ids=str)
+def test_operand_kernel_both_orientations_match_reference(spec, form, h):
+    t = wide(40, 72, seed=hash((str(spec), form, h)) % 1000)
+    signs = (seeded_signs(h, 5), seeded_signs(h, 6)) if h == 16 else (None, None)
+    plans = (plan_for(spec, form, h, signs[0] is not None), plan_for(spec, form, h, signs[1] is not None))
+    assert_operands_exact(t, plans, torch.tensor([7, -2**40], device=DEV), signs)
+
+
+@pytest.mark.parametrize("name", ["mxfp4", "nvfp4", "ufp4"])
+def test_operand_kernel_mixed_orientations_transposed_input_and_mean(name):
+    """Different specs per orientation (fprop RTN vs wgrad SR + RHT), a transposed (strided) input, mu."""
+    spec = QuantSpec.preset(name)
+    form = "fp8" if fp8_capable(spec) else "bf16"
+    sr = dataclasses.replace(spec, rounding="stochastic")
+    base = wide(96, 48, seed=3, dtype=torch.bfloat16)
+    t = base.t()  # [48, 96] view with swapped strides
+    mu = t.float().mean(0) + 0.5
+    plans = (plan_for(spec, form, 0, False), plan_for(sr, "bf16", 32, True))
+    assert_operands_exact(t, plans, torch.tensor([11, 12], device=DEV), (None, seeded_signs(32, 1)), mu)
+    assert_operands_exact(t, (None, plans[1]), torch.tensor([11, 12], device=DEV), (None, seeded_signs(32, 1)))
+
+
+def test_operand_kernel_nan_blocks_become_nan():
+    t = wide(32, 64, seed=8)
+    t[3, 5] = math.nan
+    for name in ("nvfp4", "mxfp4"):
+        spec = dataclasses.replace(QuantSpec.preset(name), nonfinite="propagate")
+        form = "fp8" if fp8_capable(spec) else "bf16"
+        plans = (plan_for(spec, form, 0, False), plan_for(spec, form, 0, False))
+        ops = assert_operands_exact(t, plans, torch.tensor([1, 2], device=DEV), (None, None))
+        assert torch.isnan(operand_values(ops[0], plans[0], 32, 64)[3]).sum() == spec.block[1]
+
+
+def _spread_case(m, n, k, seed):
     g = torch.Generator().manual_seed(seed)
-    a = torch.randn(m, k, generator=g) * torch.exp2(torch.randint(-spread, spread + 1, (m, k // 32), generator=g)
-                                                   .float().repeat_interleave(32, 1))
-    b = torch.randn(n, k, generator=g) * torch.exp2(torch.randint(-spread, spread + 1, (n, 1), generator=g).float())
-    a[0, 7] = 5e3  # outlier
+    a = torch.randn(m, k, generator=g)
+    b = torch.randn(n, k, generator=g)
+    a[5, :32] *= 2.0**-20   # a block 20 binades below the rest of its row: beyond E4M3's reach ...
+    b[:20, :32] *= 2.0**20  # ... meeting large values of b, so its products matter (and b's rows 0-19
+    #                         now hold blocks 20 binades below their first: lost too)
+    b[27] *= 2.0**-30       # a whole small row: its own reference exponent, nothing lost
+    a[0, 7] = 5e3           # an outlier
     return a.to(DEV), b.to(DEV)
 
 
-@pytest.mark.parametrize("pair", [("mxfp4", "mxfp4"), ("mxfp4_2d_up", "mxfp4_2d_up"), ("nvfp4", "nvfp4_2d"),
-                                  ("ufp4", "ufp4"), ("mxfp8", "mxfp8"), ("int4", "int4")])
-@pytest.mark.parametrize("spread", [3, 12])
-def test_fast_gemm_matches_float64_of_the_dequantized_operands(pair, spread):
-    from hf_fp4.kernels.gemm import quantized_matmul
+@pytest.mark.parametrize("name", ["mxfp4", "mxfp4_up", "mxfp4_2d_up"])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_fp8_gemm_is_exact_with_blocks_below_e4m3_range(name, out_dtype):
+    """The FP8 GEMM equals the float64 product of the quantized operands (FP32 accumulation, then one
+    rounding to the output dtype), including rows holding blocks E4M3 cannot fold: those tiles are
+    recomputed on the device, and only those rows are flagged."""
+    from hf_fp4.kernels.gemm import scaled_mm
+    from hf_fp4.kernels.operand import triton_operands
 
-    a, b = _gemm_case(48, 40, 96, seed=1, spread=spread)
-    qa, qb = quantize(a, pair[0]), quantize(b, pair[1])
-    ref = qa.dequantize().double() @ qb.dequantize().double().t()
-    out = quantized_matmul(qa, qb, 48, 40).double()
-    err = (out - ref).norm() / ref.norm()
-    assert err < 1e-6, err  # FP32 accumulation error, nothing lost
-
-
-def test_fp8_path_refuses_rows_beyond_its_exponent_range():
-    from hf_fp4.kernels.gemm import fp8_range_ok, quantized_matmul
-
-    a, b = _gemm_case(32, 32, 64, seed=2, spread=1)
-    a[5, :32] *= 2.0**-20  # one block 20 binades below the rest of its row: E4M3 would lose it
-    qa, qb = quantize(a, "mxfp4"), quantize(b, "mxfp4")
-    assert not fp8_range_ok(qa)[0] and fp8_range_ok(qb)[0]
-    ref = qa.dequantize().double() @ qb.dequantize().double().t()
-    out = quantized_matmul(qa, qb, 32, 32).double()
-    assert ((out - ref).abs()[5] <= 1e-6 * ref.abs()[5].max()).all()  # the small row is exact too
-
-
-@pytest.mark.parametrize("name", ["mxfp4", "nvfp4", "tib", "ufp4"])
-def test_fp4linear_triton_backend_quantizes_like_the_reference(name):
-    from torch import nn
-
-    from hf_fp4 import FP4Linear, observe_operands
-    from hf_fp4.quantize import fake_quantize as fq
-
-    torch.manual_seed(0)
-    layer = FP4Linear.from_linear(nn.Linear(64, 48, bias=False), preset(name, seed=1).linear, name="l").to(DEV)
-    ref = FP4Linear.from_linear(nn.Linear(64, 48, bias=False), preset(name, seed=1).linear, name="l").to(DEV)
-    ref.weight.data.copy_(layer.weight.data)
-    layer.backend, ref.backend = "triton", "reference"
-    x = torch.randn(32, 64, device=DEV)
-    dy = torch.randn(32, 48, device=DEV)
-    seen = []
-    with observe_operands(lambda m, g, r, a, q, s: seen.append((g, r, a, q, s))):
-        xa = x.clone().requires_grad_()
-        layer(xa).backward(dy)
-    assert {(g, r) for g, r, *_ in seen} == {(g, r) for g in ("fprop", "dgrad", "wgrad") for r in ("lhs", "rhs")}
-    for gemm, role, operand, q, spec in seen:
-        seed = layer.sr_seed(gemm, role, 0) if spec.rounding.value == "stochastic" else None
-        assert torch.equal(q, fq(operand, spec, seed=seed)), (gemm, role)
-    xr = x.clone().requires_grad_()
-    y_ref = ref(xr)
-    y_ref.backward(dy)
-    y = layer(x)
-    assert torch.allclose(y, y_ref, rtol=1e-5, atol=1e-5)  # RTN fprop: same operands, FP32 accumulation
+    a, b = _spread_case(48, 40, 96, seed=1)
+    spec = QuantSpec.preset(name)
+    plan = plan_for(spec, "fp8", 0, False)
+    seeds = torch.tensor([1, 2], device=DEV)
+    oa, _ = triton_operands(a, (plan, None), seeds)
+    ob, _ = triton_operands(b, (plan, None), seeds)
+    if spec.block[0] == 1:
+        assert oa.flags.nonzero().flatten().tolist() == [5]
+        assert ob.flags.nonzero().flatten().tolist() == list(range(20))
+    qa, qb = reference_operand(a, plan, 0, None).data, reference_operand(b, plan, 0, None).data
+    out = gemm(oa, ob, (plan, plan), 48, 40, out_dtype)
+    assert out.dtype == out_dtype and out.shape == (48, 40)
+    assert_within_accumulation_error(out, qa, qb, name)
+    with pytest.raises(AssertionError):  # the FP8 product alone misses the lost blocks: the check can fail
+        assert_within_accumulation_error(scaled_mm(oa, ob, 48, 40, out_dtype), qa, qb)
 
 
-@pytest.mark.parametrize("name", ["nvfp4", "ufp4", "mxfp4", "mxfp4_2d_up", "mxfp8"])
-@pytest.mark.parametrize("sr", [False, True])
-def test_fused_gemm_operand_is_the_reference_value_exactly(name, sr):
-    from hf_fp4.kernels.quant import fp8_capable, fp8_shift, triton_gemm_operand
-    from hf_fp4.scales import e8m0_exponent
+@pytest.mark.parametrize("pair", [("nvfp4", "nvfp4_2d"), ("ufp4", "ufp4"), ("mxfp8", "mxfp8"), ("int4", "int4"),
+                                  ("mxfp4", "nvfp4")])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_bf16_gemm_matches_float64_of_the_quantized_operands(pair, out_dtype):
+    from hf_fp4.kernels.operand import triton_operands
 
-    x = wide(40, 96, seed=13)
-    spec = dataclasses.replace(QuantSpec.preset(name), rounding="stochastic" if sr else "nearest")
-    q = quantize(x, spec, seed=21)
-    block = q.code_values() * q.block_decode().repeat_interleave(spec.block[0], 0).repeat_interleave(spec.block[1], 1)
-    block = block[:40, :96]
-    op = triton_gemm_operand(x, spec, fp8=False, k_alloc=128, seed=21)
-    assert torch.equal(op.data[:40, :96].float(), block) and (op.data[40:] == 0).all() and (op.data[:, 96:] == 0).all()
-    assert torch.equal(op.scale.reshape(()), q.tensor_scale if q.tensor_scale is not None else torch.ones((), device=DEV))
-    if fp8_capable(spec):
-        op8 = triton_gemm_operand(x, spec, fp8=True, k_alloc=128, seed=21)
-        e_ref = int(e8m0_exponent(q.scales).max())
-        assert op8.scale.item() == 2.0 ** (e_ref - fp8_shift(spec.grid))
-        lost = bool(op8.lost.any())
-        nonzero = (q.code_values().abs() > 0).reshape(q.scales.shape[0], spec.block[0], q.scales.shape[1],
-                                                       spec.block[1]).any(3).any(1)
-        e_min = int(e8m0_exponent(q.scales)[nonzero].min())
-        assert lost == (e_ref - e_min > 14)
-        xs = torch.randn(40, 96, generator=torch.Generator().manual_seed(3)).to(DEV)  # a narrow range
-        qs = quantize(xs, spec, seed=21)
-        ref = qs.code_values() * qs.block_decode().repeat_interleave(spec.block[0], 0).repeat_interleave(
-            spec.block[1], 1)
-        op8 = triton_gemm_operand(xs, spec, fp8=True, k_alloc=128, seed=21)
-        assert not bool(op8.lost.any())
-        assert torch.equal(op8.data[:40, :96].float() * op8.scale, ref[:40, :96])
+    a, b = _spread_case(48, 40, 96, seed=2)
+    pa, pb = (plan_for(QuantSpec.preset(n), "bf16", 0, False) for n in pair)
+    seeds = torch.tensor([1, 2], device=DEV)
+    oa, _ = triton_operands(a, (pa, None), seeds)
+    ob, _ = triton_operands(b, (pb, None), seeds)
+    out = gemm(oa, ob, (pa, pb), 48, 40, out_dtype)
+    assert_within_accumulation_error(out, reference_operand(a, pa, 0, None).data,
+                                     reference_operand(b, pb, 0, None).data, str(pair))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("spec,form,h", [c for c in operand_cases() if c[2] in (0, 16)], ids=str)
+def test_operand_kernel_matches_reference_at_large_sizes_on_gpu(spec, form, h):
+    t = wide(4096 + 16, 2048 + 32, seed=12, dtype=torch.bfloat16)
+    signs = (seeded_signs(h, 5), seeded_signs(h, 6)) if h else (None, None)
+    plans = (plan_for(spec, form, h, h > 0), plan_for(spec, form, h, h > 0))
+    assert_operands_exact(t, plans, torch.tensor([3, 4], device=DEV), signs)

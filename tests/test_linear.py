@@ -8,6 +8,7 @@ from torch import nn
 import hf_fp4
 from hf_fp4 import FP4Linear, QuantSpec, apply_hadamard, fake_quantize, observe_operands, preset, seeded_signs
 from hf_fp4.quantize import quantize
+from exactness import assert_within_accumulation_error
 from thresholds import LINEAR_SQNR_MIN_DB, LORA_SVD_MIN_IMPROVEMENT
 
 T, K, N = 64, 96, 80  # tokens, in-features, out-features (multiples of 16, not of 32 for N: padding)
@@ -207,3 +208,71 @@ def test_diagnostics_report_every_operand_and_the_transpose_mismatch():
     with hf_fp4.collect_diagnostics() as stats:
         run(layer, *inputs())
     assert "layer/weight_transpose_mismatch" not in stats  # 2D weights: nothing to mismatch
+
+
+def quantized_operands(name, layer, x, dy, call=0):
+    """Per GEMM, its two operands quantized here with the reference, from the hand-written table (EXPECTED),
+    the layer's seeds and its Hadamard signs: independent of the operand layer."""
+    w = layer.weight.detach().float()
+    raw = {("fprop", "lhs"): x, ("fprop", "rhs"): w, ("dgrad", "lhs"): dy, ("dgrad", "rhs"): w.t(),
+           ("wgrad", "lhs"): dy.t(), ("wgrad", "rhs"): x.t()}
+    out = []
+    for gemm in ("fprop", "dgrad", "wgrad"):
+        lhs_name, lhs_rounding, rhs_name, h_kind, h_size = EXPECTED[name][gemm]
+        ops = []
+        for role, pname, rounding in (("lhs", lhs_name, lhs_rounding), ("rhs", rhs_name, "nearest")):
+            t = raw[(gemm, role)].float()
+            if h_kind != "none":
+                t = apply_hadamard(t, h_size, seeded_signs(h_size, layer.seed) if h_kind == "random_fixed" else None)
+            spec = dataclasses.replace(QuantSpec.preset(pname), rounding=rounding)
+            ops.append(quantize(t, spec, seed=layer.sr_seed(gemm, role, call)).dequantize())
+        out.append(ops)
+    return out
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_each_gemm_equals_the_float64_product_of_its_quantized_operands(name, backend):
+    """What the layer computes (y, dx, dW), against products of operands built from the spec: within FP32
+    accumulation error, elementwise.  The triton backend runs the operand kernels (interpreted on CPU) and
+    the exact FP8 / BF16 GEMMs; the planted blocks lie beyond E4M3's range (FP8 recipes recompute them)."""
+    if backend == "triton":
+        pytest.importorskip("hf_fp4.kernels.operand")
+    _, layer = make_layer(name, seed=4)
+    layer.backend = backend
+    with torch.no_grad():
+        layer.weight[:, :32] *= 2.0**20  # W's rows: a block 20 binades above the rest (lost in FP8)
+    x, dy = inputs(seed=5)
+    x[3] *= 2.0**-22  # a token far below the rest: its own FP8 row reference
+    x[5, :32] *= 2.0**-20  # a block far below its token's others, meeting W's large columns
+    x[32:, 40] *= 2.0**-22  # one below its feature's others along the tokens (wgrad's x^T)
+    for call, (xs, dys) in enumerate([(x, dy), inputs(seed=6)]):
+        layer.zero_grad()
+        got = run(layer, xs, dys)
+        for gemm, g, (a, b) in zip(("fprop", "dgrad", "wgrad"), got, quantized_operands(name, layer, xs, dys, call)):
+            assert_within_accumulation_error(g, a, b, f"{name}/{backend}/{gemm}/call {call}")
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("name", sorted(EXPECTED) + ["bf16"])
+def test_torch_compile_fullgraph_equals_eager_bit_for_bit(name, backend):
+    """FP4Linear under torch.compile(fullgraph=True): no graph break, no recompilation across steps, and
+    forward + backward bit-identical to eager (custom ops for operands and FP8 GEMMs)."""
+    if backend == "triton":
+        pytest.importorskip("hf_fp4.kernels.operand")
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    _, eager = make_layer(name, seed=2, bias=True)
+    _, compiled = make_layer(name, seed=2, bias=True)
+    compiled.load_state_dict(eager.state_dict())
+    eager.backend = compiled.backend = backend
+    fn = torch.compile(compiled, fullgraph=True, backend="aot_eager")
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for step in range(2):
+            x, dy = inputs(seed=10 + step)
+            for a, b in zip(run(eager, x, dy), run(fn, x, dy)):
+                assert torch.equal(a, b), (name, step)
+            assert torch.equal(eager.bias.grad, compiled.bias.grad)
+            eager.zero_grad(), compiled.zero_grad()
+    assert eager.sr_calls == compiled.sr_calls == 2

@@ -1,0 +1,211 @@
+"""Triton twins of the reference numerics (hf_fp4.formats, hf_fp4.scales, hf_fp4.hadamard, hf_fp4.philox).
+
+Every helper here is a @triton.jit function used by the quantization kernels (`quant.py`: packed codes
+and scales; `operand.py`: GEMM operands).  Each computes exactly what its reference twin computes;
+the tests compare the kernels with the reference bit for bit.
+
+Rounding is written with as few instructions per element as exactness allows, since the kernels are
+otherwise memory-bound:
+
+* uniform grids (E1M2 step 0.25, INT4 step 1): round-to-nearest-even is one FP32 add and subtract of
+  1.5 * 2^23 * step (the addition rounds to a multiple of the step, ties to even), then the saturation;
+* E2M1 has three binades of constant step (0.5 below 2, 1 below 4, 2 above); the same trick per
+  binade, selected by two comparisons.  A tie goes to the even multiple of the step, which is the even
+  code (E2M1 codes count the grid in order), as the reference requires;
+* stochastic rounding compares a uniform draw with the fraction m / step - floor(m / step), which is
+  (m - lo) / (hi - lo) exactly (steps are powers of two);
+* E4M3 (MXFP8 elements and UE4M3 block scales) keeps the general float-grid form.
+
+Stochastic-rounding noise is drawn four elements per Philox call (`tl.rand4x`), in the layout of
+hf_fp4.philox.philox_noise.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from hf_fp4.formats import FLOAT_PARAMS as GRID_PARAMS
+from hf_fp4.formats import Grid
+
+#: Grid ids the kernels branch on (constexpr).
+GRID_IDS = {Grid.E2M1: 0, Grid.E1M2: 1, Grid.INT4: 2, Grid.E4M3: 3}
+#: OCP emax of the element grid (floor(log2 max)).
+GRID_EMAX = {Grid.E2M1: 2, Grid.E1M2: 0, Grid.INT4: 2, Grid.E4M3: 8}
+FLT_MAX = 3.4028234663852886e38
+
+
+@triton.jit
+def floor_log2(m):
+    """floor(log2 m) of positive normal FP32 m from its exponent field (-127 for zero/subnormals)."""
+    return ((m.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+
+
+@triton.jit
+def pow2(e):
+    """2^e in FP32 for integer e in [-149, 127] (subnormals built bitwise)."""
+    normal = ((tl.maximum(e, -126) + 127) << 23).to(tl.float32, bitcast=True)
+    sub = (1 << tl.minimum(tl.maximum(e + 149, 0), 22)).to(tl.float32, bitcast=True)
+    return tl.where(e >= -126, normal, sub)
+
+
+@triton.jit
+def round_float_grid(m, u, EMIN: tl.constexpr, MBITS: tl.constexpr, QMAX: tl.constexpr,
+                     STOCHASTIC: tl.constexpr):
+    """General float grid: step 2^(max(floor(log2 m), EMIN) - MBITS), RNE or SR, saturating at QMAX."""
+    e = tl.maximum(floor_log2(m), EMIN)
+    step = pow2(e - MBITS)
+    v = m * pow2(MBITS - e)  # m / step, exact
+    if STOCHASTIC:
+        lo = tl.floor(v)
+        r = tl.where(u < v - lo, lo + 1.0, lo)
+    else:
+        r = (v + 12582912.0) - 12582912.0  # 1.5 * 2^23: FP32 addition rounds to an integer, ties to even
+    return tl.minimum(r * step, QMAX)
+
+
+@triton.jit
+def _rne_step(m, MAGIC: tl.constexpr):
+    """Round m to the nearest multiple of MAGIC / (1.5 * 2^23), ties to the even multiple."""
+    return (m + MAGIC) - MAGIC
+
+
+@triton.jit
+def _sr_step(m, u, INV: tl.constexpr, STEP: tl.constexpr):
+    """Stochastic rounding to multiples of STEP = 1 / INV (a power of two: every product is exact)."""
+    v = m * INV
+    lo = tl.floor(v)
+    return tl.where(u < v - lo, lo + 1.0, lo) * STEP
+
+
+@triton.jit
+def round_grid(m, u, GRID: tl.constexpr, STOCHASTIC: tl.constexpr):
+    """Round non-negative FP32 m onto a grid (ids: GRID_IDS); u: uniforms for SR."""
+    if GRID == 0:  # E2M1: steps 0.5 / 1 / 2 on [0, 2) / [2, 4) / [4, 6]
+        if STOCHASTIC:
+            small, mid = m < 2.0, m < 4.0
+            v = m * tl.where(small, 2.0, tl.where(mid, 1.0, 0.5))
+            lo = tl.floor(v)
+            q = tl.where(u < v - lo, lo + 1.0, lo) * tl.where(small, 0.5, tl.where(mid, 1.0, 2.0))
+        else:
+            q = tl.where(m < 2.0, _rne_step(m, 6291456.0),
+                         tl.where(m < 4.0, _rne_step(m, 12582912.0), _rne_step(m, 25165824.0)))
+        q = tl.minimum(q, 6.0)
+    elif GRID == 1:  # E1M2: step 0.25 up to 1.75
+        if STOCHASTIC:
+            q = _sr_step(m, u, 4.0, 0.25)
+        else:
+            q = _rne_step(m, 3145728.0)
+        q = tl.minimum(q, 1.75)
+    elif GRID == 2:  # INT4: step 1 up to 7
+        if STOCHASTIC:
+            q = _sr_step(m, u, 1.0, 1.0)
+        else:
+            q = _rne_step(m, 12582912.0)
+        q = tl.minimum(q, 7.0)
+    else:  # E4M3
+        q = round_float_grid(m, u, -6, 3, 448.0, STOCHASTIC)
+    return q
+
+
+@triton.jit
+def grid_code(q, EMIN: tl.constexpr, MBITS: tl.constexpr):
+    """Magnitude code of a grid value q >= 0: mantissa-with-implicit-bit + (E - EMIN) * 2^MBITS."""
+    e = tl.maximum(floor_log2(q), EMIN)
+    m_int = (q * pow2(MBITS - e)).to(tl.int32)
+    return m_int + (e - EMIN) * (1 << MBITS)
+
+
+@triton.jit
+def e8m0_exponent(amax, CEIL: tl.constexpr, QM: tl.constexpr, QE: tl.constexpr, EMAX: tl.constexpr):
+    """Block exponent of E8M0 scales: OCP floor(log2 amax) - emax, or truncation-free ceil; -127 for 0."""
+    f = floor_log2(amax)
+    if CEIL:
+        r = amax * pow2(-f)  # mantissa of amax in [1, 2); qmax = QM * 2^QE
+        e = tl.where(r <= QM, f - QE, f - QE + 1)
+    else:
+        e = f - EMAX
+    e = tl.where(amax > 0, e, -127)
+    return tl.minimum(tl.maximum(e, -127), 127)
+
+
+@triton.jit
+def tensor_encode_scale(tensor_amax, QMAX: tl.constexpr):
+    """s_enc = 448 * qmax / amax (IEEE division), capped at FLT_MAX; 1 when amax or s_enc is 0 (TE)."""
+    s_enc = tl.minimum(tl.math.div_rn(448.0 * QMAX, tensor_amax), 3.4028234663852886e38)
+    return tl.where((tensor_amax == 0) | (s_enc == 0), 1.0, s_enc)
+
+
+@triton.jit
+def ue4m3_block_scale(amax, s_enc, QMAX: tl.constexpr):
+    """s_b = e4m3_rne(min(amax_b / qmax * s_enc, FLT_MAX)), saturating at 448."""
+    block = tl.minimum(tl.math.div_rn(amax, QMAX) * s_enc, 3.4028234663852886e38)
+    return round_float_grid(block, block, -6, 3, 448.0, False)
+
+
+@triton.jit
+def butterfly(x, BM: tl.constexpr, BK: tl.constexpr, S: tl.constexpr):
+    """One stage of stride S: each pair (a at the lower index, b = a's partner) -> (a + b, a - b)."""
+    x3 = tl.permute(tl.reshape(x, [BM * BK // (2 * S), 2, S]), (0, 2, 1))
+    a, b = tl.split(x3)
+    return tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 2, 1)), [BM, BK])
+
+
+@triton.jit
+def hadamard(x, signs_ptr, BM: tl.constexpr, BK: tl.constexpr, H: tl.constexpr, HSCALE: tl.constexpr,
+             HAS_SIGNS: tl.constexpr):
+    """Blockwise diag(s) H_n along the last dim: signs, butterflies of stride 1 .. H/2, one scale."""
+    if HAS_SIGNS:
+        s = tl.load(signs_ptr + tl.arange(0, H))
+        x = tl.reshape(tl.reshape(x, [BM * BK // H, H]) * s[None, :], [BM, BK])
+    x = butterfly(x, BM, BK, 1)
+    x = butterfly(x, BM, BK, 2)
+    x = butterfly(x, BM, BK, 4)
+    x = butterfly(x, BM, BK, 8)
+    if H > 16:
+        x = butterfly(x, BM, BK, 16)
+    if H > 32:
+        x = butterfly(x, BM, BK, 32)
+    if H > 64:
+        x = butterfly(x, BM, BK, 64)
+    if H > 128:
+        x = butterfly(x, BM, BK, 128)
+    return x * HSCALE
+
+
+@triton.jit
+def sr_uniforms(seed, rows, col0, KP, BM: tl.constexpr, BK: tl.constexpr):
+    """Uniforms of a [BM, BK] tile starting at column col0 (a multiple of 4) of the padded [Mp, KP]
+    operand: element (r, c) is word c % 4 of the Philox call at counter (r * KP + c) // 4."""
+    groups = col0 // 4 + tl.arange(0, BK // 4)
+    counters = rows[:, None].to(tl.int64) * (KP // 4) + groups[None, :]
+    u0, u1, u2, u3 = tl.rand4x(seed, counters)
+    return tl.reshape(tl.join(tl.join(u0, u2), tl.join(u1, u3)), [BM, BK])
+
+
+@triton.jit
+def block_max(a, BM: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+    """Per-block max of a [BM, BK] tile with BR x BC blocks -> [BM // BR, BK // BC]."""
+    if BR == 1:
+        return tl.max(tl.reshape(a, [BM, BK // BC, BC]), axis=2)
+    return tl.max(tl.max(tl.reshape(a, [BM // BR, BR, BK // BC, BC]), axis=3), axis=1)
+
+
+@triton.jit
+def expand_blocks(v, BM: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+    """[BM // BR, BK // BC] per-block values -> [BM, BK] per element."""
+    if BR == 1:
+        return tl.reshape(tl.broadcast_to(v[:, :, None], [BM, BK // BC, BC]), [BM, BK])
+    v4 = tl.broadcast_to(tl.reshape(v, [BM // BR, 1, BK // BC, 1]), [BM // BR, BR, BK // BC, BC])
+    return tl.reshape(v4, [BM, BK])
+
+
+def grid_constants(grid: Grid) -> dict:
+    """The constexpr arguments of a grid: id, float-format parameters, max as (mantissa, exponent), emax."""
+    import math
+
+    from hf_fp4.formats import grid_max
+
+    emin, mbits = GRID_PARAMS[grid]
+    qm, qe = math.frexp(grid_max(grid))
+    return dict(GRID=GRID_IDS[grid], EMIN=emin, MBITS=mbits, QMAX=grid_max(grid), QM=qm * 2, QE=qe - 1,
+                EMAX=GRID_EMAX[grid])

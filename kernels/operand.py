@@ -1,0 +1,245 @@
+"""GEMM operands straight from a high-precision tensor: both orientations from one read.
+
+A tensor t [R, C] feeds two GEMMs (x: fprop along K and wgrad along T; dy: dgrad along N and wgrad
+along T; W: fprop along K and dgrad along N).  `triton_operands(t, plans, ...)` produces the operand
+of each orientation in two passes over t:
+
+1. the stats pass reads t once and, per orientation, reduces what its scale rule needs: the tensor
+   amax (two-level UE4M3 + FP32 scales) or the amax of every row of the operand (E8M0 scales folded
+   into FP8, below); rotated first when the orientation has a Hadamard transform;
+2. the operand pass reads t once more and writes both operands: "A" = the rows of t (blocks along
+   C) and "B" = the rows of t^T (blocks along R), through a register transpose of the same tile.
+
+Operand forms (bit-exact with the reference values, `hf_fp4.quantize` then `dequantize`):
+
+* `bf16`: v * s_b (UE4M3 block scale: 8 significant bits at most) or v * 2^e (E8M0), exact in BF16;
+  the FP32 tensor decode scale goes to the GEMM;
+* `fp8`: E8M0 scales on a 4-bit grid folded into E4M3 against a reference exponent per operand row,
+  e_ref = the row's largest block exponent: v * 2^(e_b - e_ref + SHIFT), row scale 2^(e_ref - SHIFT)
+  (SHIFT = floor(log2(448 / grid max))).  Exact while e_ref - e_b <= DMAX (E4M3's subnormals run
+  out below).  A block further down is "lost": its FP8 value is 0, its exact value v * 2^SHIFT goes
+  to the `side` buffer with its exponent in `eb` (-128 elsewhere), and its row is flagged.  The GEMM
+  front end (gemm.py) recomputes every output tile that touches a flagged row exactly -- decided on
+  the device, with no host synchronisation.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from hf_fp4.operands import Operand, OperandPlan, empty_operand, fp8_dmax, fp8_shift
+from hf_fp4.spec import Rounding
+
+from .numerics import (block_max, e8m0_exponent, expand_blocks, grid_constants, hadamard, pow2, round_grid,
+                       sr_uniforms, tensor_encode_scale, ue4m3_block_scale)
+from .quant import SCALE_CODES, load_tile
+
+@triton.jit
+def _stat(x, stat_ptr, rows, n_rows, signs_ptr, BM: tl.constexpr, BK: tl.constexpr, STAT: tl.constexpr,
+          H: tl.constexpr, HSCALE: tl.constexpr, HAS_SIGNS: tl.constexpr):
+    """Reduce one orientation's statistic from its [BM, BK] tile (rows = operand rows)."""
+    if H > 0:
+        x = hadamard(x, signs_ptr, BM, BK, H, HSCALE, HAS_SIGNS)
+    a = tl.abs(x)
+    a = tl.where((a == a) & (a != float("inf")), a, 0.0)  # the reference zeroes non-finite values first
+    row_max = tl.max(a, axis=1)
+    if STAT == 1:
+        tl.atomic_max(stat_ptr + rows, row_max, mask=rows < n_rows)
+    else:
+        tl.atomic_max(stat_ptr, tl.max(row_max, axis=0))
+
+
+@triton.jit
+def _stats_kernel(t_ptr, R, C, s_r, s_c, mu_ptr, a_stat, a_signs, b_stat, b_signs,
+                  BR: tl.constexpr, BC: tl.constexpr, HAS_MU: tl.constexpr,
+                  A_STAT: tl.constexpr, A_H: tl.constexpr, A_HSCALE: tl.constexpr, A_SIGNS: tl.constexpr,
+                  B_STAT: tl.constexpr, B_H: tl.constexpr, B_HSCALE: tl.constexpr, B_SIGNS: tl.constexpr):
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    cols = tl.program_id(1) * BC + tl.arange(0, BC)
+    x = load_tile(t_ptr, rows, cols, R, C, s_r, s_c, mu_ptr, HAS_MU)
+    if A_STAT > 0:
+        _stat(x, a_stat, rows, R, a_signs, BR, BC, A_STAT, A_H, A_HSCALE, A_SIGNS)
+    if B_STAT > 0:
+        _stat(tl.trans(x), b_stat, cols, C, b_signs, BC, BR, B_STAT, B_H, B_HSCALE, B_SIGNS)
+
+
+@triton.jit
+def _emit(x, rows, cols, col0, first_k_tile, first_tile, out_ptr, n_rows, n_cols, stat_ptr, scale_ptr, seed_ptr,
+          signs_ptr, side_ptr, eb_ptr, flag_ptr, KP,
+          BM: tl.constexpr, BK: tl.constexpr, BLR: tl.constexpr, BLC: tl.constexpr, GRID: tl.constexpr,
+          QMAX: tl.constexpr, QM: tl.constexpr, QE: tl.constexpr, EMAX: tl.constexpr, SCALE: tl.constexpr,
+          SR: tl.constexpr, H: tl.constexpr, HSCALE: tl.constexpr, HAS_SIGNS: tl.constexpr, FP8: tl.constexpr,
+          SHIFT: tl.constexpr, DMAX: tl.constexpr):
+    """Quantize a [BM, BK] tile (rows = operand rows, columns = contraction) into its GEMM operand."""
+    if H > 0:
+        x = hadamard(x, signs_ptr, BM, BK, H, HSCALE, HAS_SIGNS)
+    bad = (x != x) | (tl.abs(x) == float("inf"))
+    x = tl.where(bad, 0.0, x)
+    amax = block_max(tl.abs(x), BM, BK, BLR, BLC)  # [BM // BLR, BK // BLC]
+    NBM: tl.constexpr = BM // BLR
+    NBK: tl.constexpr = BK // BLC
+    lost = amax < 0  # all False
+    if SCALE == 0 or SCALE == 1:  # E8M0 (floor or ceil)
+        e = e8m0_exponent(amax, SCALE == 1, QM, QE, EMAX)
+        encode = pow2(-e)
+        if FP8:
+            row_amax = tl.load(stat_ptr + rows, mask=rows < n_rows, other=0.0)
+            e_ref = e8m0_exponent(tl.max(tl.reshape(row_amax, [NBM, BLR]), axis=1), SCALE == 1, QM, QE, EMAX)
+            lost = (amax > 0) & (e_ref[:, None] - e > DMAX)
+            factor = tl.where(lost, 0.0, pow2(tl.maximum(e - e_ref[:, None] + SHIFT, -149)))
+            row_scale = tl.reshape(tl.broadcast_to(e_ref[:, None], [NBM, BLR]), [BM])
+            if first_k_tile:
+                tl.store(scale_ptr + rows, pow2(row_scale - SHIFT), mask=rows < n_rows)
+        else:
+            factor = pow2(e)
+    else:  # UE4M3 block scale + FP32 tensor scale
+        s_enc = tensor_encode_scale(tl.load(stat_ptr), QMAX)
+        s_dec = tl.math.div_rn(1.0, s_enc)
+        factor = ue4m3_block_scale(amax, s_enc, QMAX)
+        decode = factor * s_dec
+        encode = tl.where(factor > 0, tl.math.div_rn(tl.full(decode.shape, 1.0, tl.float32), decode), 0.0)
+        if first_tile:
+            tl.store(scale_ptr, s_dec)
+    scaled = x * expand_blocks(encode, BM, BK, BLR, BLC)
+    m = tl.abs(scaled)
+    if SR:
+        u = sr_uniforms(tl.load(seed_ptr), rows, col0, KP, BM, BK)
+    else:
+        u = m
+    q = round_grid(m, u, GRID, SR)
+    q = tl.where(scaled < 0, -q, q)
+    bad_block = expand_blocks(block_max(bad.to(tl.int32), BM, BK, BLR, BLC), BM, BK, BLR, BLC) > 0
+    val = tl.where(bad_block, float("nan"), q * expand_blocks(factor, BM, BK, BLR, BLC))
+    inside = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+    offs = rows[:, None].to(tl.int64) * n_cols + cols[None, :]
+    if FP8:
+        bits = tl.where(bad_block, 0x7F, val.to(tl.float8e4nv).to(tl.uint8, bitcast=True))  # E4M3 NaN: 0x7F
+        tl.store(out_ptr + offs, bits, mask=inside)
+        lost_el = expand_blocks(lost.to(tl.int32), BM, BK, BLR, BLC) > 0
+        tl.store(side_ptr + offs, (q * (1 << SHIFT)).to(tl.float8e4nv).to(tl.uint8, bitcast=True),
+                 mask=inside & lost_el)
+        eb = tl.where(lost, e, -128)
+        if BLR > 1:
+            eb = tl.reshape(tl.broadcast_to(tl.reshape(eb, [NBM, 1, NBK]), [NBM, BLR, NBK]), [BM, NBK])
+        bcols = col0 // BLC + tl.arange(0, NBK)
+        tl.store(eb_ptr + rows[:, None].to(tl.int64) * (n_cols // BLC) + bcols[None, :], eb.to(tl.int8),
+                 mask=(rows[:, None] < n_rows) & (bcols[None, :] < n_cols // BLC))
+        row_lost = tl.max(tl.max(tl.reshape(lost_el.to(tl.int32), [BM, NBK, BLC]), axis=2), axis=1)
+        tl.store(flag_ptr + rows, row_lost.to(tl.int8), mask=(rows < n_rows) & (row_lost > 0))
+    else:
+        tl.store(out_ptr + offs, val.to(tl.bfloat16), mask=inside)
+
+
+@triton.jit
+def _operand_kernel(t_ptr, R, C, s_r, s_c, mu_ptr,
+                    a_out, a_rows, a_cols, a_stat, a_scale, a_seed, a_signs, a_side, a_eb, a_flags, a_kp,
+                    b_out, b_rows, b_cols, b_stat, b_scale, b_seed, b_signs, b_side, b_eb, b_flags, b_kp,
+                    BR: tl.constexpr, BC: tl.constexpr, HAS_MU: tl.constexpr,
+                    A_ON: tl.constexpr, A_BLR: tl.constexpr, A_BLC: tl.constexpr, A_GRID: tl.constexpr,
+                    A_QMAX: tl.constexpr, A_QM: tl.constexpr, A_QE: tl.constexpr, A_EMAX: tl.constexpr,
+                    A_SCALE: tl.constexpr, A_SR: tl.constexpr, A_H: tl.constexpr, A_HSCALE: tl.constexpr,
+                    A_SIGNS: tl.constexpr, A_FP8: tl.constexpr, A_SHIFT: tl.constexpr, A_DMAX: tl.constexpr,
+                    B_ON: tl.constexpr, B_BLR: tl.constexpr, B_BLC: tl.constexpr, B_GRID: tl.constexpr,
+                    B_QMAX: tl.constexpr, B_QM: tl.constexpr, B_QE: tl.constexpr, B_EMAX: tl.constexpr,
+                    B_SCALE: tl.constexpr, B_SR: tl.constexpr, B_H: tl.constexpr, B_HSCALE: tl.constexpr,
+                    B_SIGNS: tl.constexpr, B_FP8: tl.constexpr, B_SHIFT: tl.constexpr, B_DMAX: tl.constexpr):
+    pid_r, pid_c = tl.program_id(0), tl.program_id(1)
+    rows = pid_r * BR + tl.arange(0, BR)
+    cols = pid_c * BC + tl.arange(0, BC)
+    x = load_tile(t_ptr, rows, cols, R, C, s_r, s_c, mu_ptr, HAS_MU)
+    first = (pid_r == 0) & (pid_c == 0)
+    if A_ON:
+        _emit(x, rows, cols, pid_c * BC, pid_c == 0, first, a_out, a_rows, a_cols, a_stat, a_scale, a_seed, a_signs, a_side,
+              a_eb, a_flags, a_kp, BR, BC, A_BLR, A_BLC, A_GRID, A_QMAX, A_QM, A_QE, A_EMAX, A_SCALE, A_SR,
+              A_H, A_HSCALE, A_SIGNS, A_FP8, A_SHIFT, A_DMAX)
+    if B_ON:
+        _emit(tl.trans(x), cols, rows, pid_r * BR, pid_r == 0, first, b_out, b_rows, b_cols, b_stat, b_scale, b_seed,
+              b_signs, b_side, b_eb, b_flags, b_kp, BC, BR, B_BLR, B_BLC, B_GRID, B_QMAX, B_QM, B_QE, B_EMAX,
+              B_SCALE, B_SR, B_H, B_HSCALE, B_SIGNS, B_FP8, B_SHIFT, B_DMAX)
+
+
+#: Default tile (rows of t, columns of t, warps); grown to fit blocks and Hadamard sizes.
+DEFAULT_TILE = (64, 64, 4)
+
+
+def _tile(plans, tile):
+    br, bc, warps = tile or DEFAULT_TILE
+    a, b = plans
+    if a is not None:
+        br, bc = max(br, a.spec.block[0]), max(bc, a.spec.block[1], a.hadamard)
+    if b is not None:
+        br, bc = max(br, b.spec.block[1], b.hadamard), max(bc, b.spec.block[0])
+    return br, bc, warps
+
+
+def _constexprs(prefix: str, plan: OperandPlan | None) -> dict:
+    if plan is None:
+        names = ("BLR", "BLC", "GRID", "QMAX", "QM", "QE", "EMAX", "SCALE", "SR", "H", "HSCALE", "SIGNS", "FP8",
+                 "SHIFT", "DMAX")
+        return {f"{prefix}ON": False, **{f"{prefix}{n}": 1 for n in names}}
+    g = grid_constants(plan.spec.grid)
+    fp8 = plan.form == "fp8"
+    return {f"{prefix}{k}": v for k, v in dict(
+        ON=True, BLR=plan.spec.block[0], BLC=plan.spec.block[1], GRID=g["GRID"], QMAX=g["QMAX"], QM=g["QM"],
+        QE=g["QE"], EMAX=g["EMAX"], SCALE=SCALE_CODES[plan.spec.scale],
+        SR=plan.spec.rounding is Rounding.STOCHASTIC, H=plan.hadamard,
+        HSCALE=1.0 / math.sqrt(plan.hadamard) if plan.hadamard else 1.0, SIGNS=plan.signed, FP8=fp8,
+        SHIFT=fp8_shift(plan.spec.grid) if fp8 else 0, DMAX=fp8_dmax(plan.spec.grid) if fp8 else 0).items()}
+
+
+def triton_operands(t: torch.Tensor, plans: tuple[OperandPlan | None, OperandPlan | None], seeds: torch.Tensor,
+                    signs: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
+                    mu: torch.Tensor | None = None, tile: tuple[int, int, int] | None = None,
+                    out: tuple[Operand | None, Operand | None] | None = None) -> list[Operand | None]:
+    """Operands of the 2D tensor t (any strides): plans[0] for t's rows, plans[1] for t^T's rows.
+
+    seeds: int64 [2] on t's device (Philox seeds of the two orientations, used under SR); signs: the
+    Hadamard sign vectors (FP32, or None); mu: per-column mean subtracted first (mean-bias removal).
+    """
+    if t.dim() != 2:
+        raise ValueError(f"triton_operands needs a 2D tensor, got shape {tuple(t.shape)}")
+    for plan, s in zip(plans, signs):
+        if plan is not None and plan.signed != (s is not None):
+            raise ValueError("OperandPlan.signed must match whether a sign vector is given")
+    R, C = t.shape
+    dev = t.device
+    br, bc, warps = _tile(plans, tile)
+    dims = ((R, C), (C, R))
+    ops = list(out) if out is not None else [
+        empty_operand(p, *d, dev) if p is not None else None for p, d in zip(plans, dims)]
+    dummy = torch.empty(1, dtype=torch.float32, device=dev)
+    f32 = lambda v: v.to(device=dev, dtype=torch.float32).contiguous() if v is not None else dummy  # noqa: E731
+    mu_t, signs_t = f32(mu), [f32(s) for s in signs]
+    stats = []
+    for plan, (rows, k) in zip(plans, dims):  # per-row statistics cover the allocated (padded) rows
+        n = 0 if plan is None or plan.stat == 0 else (plan.shape(rows, k)[0] if plan.stat == 1 else 1)
+        stats.append(torch.zeros(max(n, 1), dtype=torch.float32, device=dev))
+    consts = {**_constexprs("A_", plans[0]), **_constexprs("B_", plans[1])}
+    if any(p is not None and p.stat for p in plans):
+        stat_flags = {}
+        for prefix, plan in (("A_", plans[0]), ("B_", plans[1])):
+            stat_flags.update({f"{prefix}STAT": plan.stat if plan is not None else 0,
+                               f"{prefix}H": consts[f"{prefix}H"] if plan is not None else 0,
+                               f"{prefix}HSCALE": consts[f"{prefix}HSCALE"],
+                               f"{prefix}SIGNS": consts[f"{prefix}SIGNS"] if plan is not None else False})
+        _stats_kernel[(triton.cdiv(R, br), triton.cdiv(C, bc))](
+            t, R, C, t.stride(0), t.stride(1), mu_t, stats[0], signs_t[0], stats[1], signs_t[1],
+            BR=br, BC=bc, HAS_MU=mu is not None, num_warps=warps, **stat_flags)
+    args = []
+    for plan, op, stat, s, seed_i, (rows, k) in zip(plans, ops, stats, signs_t, (0, 1), dims):
+        if plan is None:
+            args += [dummy, 0, 0, dummy, dummy, seeds, dummy, dummy, dummy, dummy, 0]
+            continue
+        r_alloc, k_alloc = op.data.shape
+        side, eb, flags = (op.side.view(torch.uint8), op.eb, op.flags) if plan.form == "fp8" else (dummy,) * 3
+        data = op.data.view(torch.uint8) if plan.form == "fp8" else op.data  # FP8 written as bits (NaN = 0x7F)
+        args += [data, r_alloc, k_alloc, stat, op.scale, seeds[seed_i:], s, side, eb, flags, plan.k_padded(k)]
+    cover_r = max([ops[0].data.shape[0] if ops[0] is not None else 0, ops[1].data.shape[1] if ops[1] is not None else 0])
+    cover_c = max([ops[0].data.shape[1] if ops[0] is not None else 0, ops[1].data.shape[0] if ops[1] is not None else 0])
+    _operand_kernel[(triton.cdiv(cover_r, br), triton.cdiv(cover_c, bc))](
+        t, R, C, t.stride(0), t.stride(1), mu_t, *args, BR=br, BC=bc, HAS_MU=mu is not None, num_warps=warps,
+        **consts)
+    return ops
