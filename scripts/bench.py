@@ -1,13 +1,22 @@
 #!/usr/bin/env python
-"""Side-by-side GPU benchmark: quantization bandwidth, linear fwd+bwd, end-to-end train steps.
+"""Side-by-side GPU benchmark: operand quantization, linear forward + backward, end-to-end train steps.
 
-    python scripts/bench.py [--quick] [--out DIR]
+    python scripts/bench.py [--parts quant,linear,e2e] [--quick] [--out DIR]
+    python scripts/bench.py --merge A.json B.json ... --out benchmarks   # one results file from several runs
 
-Prints one table per part and writes benchmarks/results-<date>.md (device, versions, command). CUDA
-events, warm-up, medians over fresh random inputs.  Ratios are measured side by side in this run.
+Every part puts the peers in the same process as hf_fp4: a device copy and torchao's `to_mx` (compiled)
+for quantization; bf16 nn.Linear (eager and compiled), torchao float8 tensorwise / rowwise (compiled)
+and a plain NVFP4 fake-quant autograd function under torch.compile ("emulation_compiled") for the
+linear layer and the end-to-end step.  Times are medians of CUDA-event measurements after warm-up,
+rotating among several inputs.  Writes results-<date>.json ({"device", "versions", "command", "linear",
+"e2e", "quant"}) and results-<date>.md under --out.
 """
+from __future__ import annotations
+
 import argparse
+import dataclasses
 import datetime
+import json
 import platform
 import statistics
 import sys
@@ -22,21 +31,24 @@ from hf_fp4 import FP4Linear, QuantSpec, preset
 from hf_fp4.recipe import PRESET_NAMES
 
 FP4_PRESETS = [p for p in PRESET_NAMES if p != "bf16"]
+LLAMA_1B = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16, num_attention_heads=32,
+                num_key_value_heads=8, vocab_size=32000, max_position_embeddings=2048)
 
 
-def timed(fn, make_inputs, warmup=3, reps=10):
-    """Median milliseconds of fn(*inputs) over reps fresh inputs, CUDA events when on GPU."""
+# ----------------------------------------------------------------------------------------------
+# Timing
+def timed(fn, inputs, warmup=3, reps=10):
+    """Median milliseconds of fn(*inputs[i % len(inputs)]) (CUDA events on GPU)."""
     cuda = torch.cuda.is_available()
     times = []
     for i in range(warmup + reps):
-        args = make_inputs()
+        args = inputs[i % len(inputs)]
         if cuda:
-            torch.cuda.synchronize()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             fn(*args)
             end.record()
-            torch.cuda.synchronize()
+            end.synchronize()
             ms = start.elapsed_time(end)
         else:
             t0 = time.perf_counter()
@@ -47,91 +59,215 @@ def timed(fn, make_inputs, warmup=3, reps=10):
     return statistics.median(times)
 
 
-def table(title, header, rows):
-    lines = [f"### {title}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    return text
+# ----------------------------------------------------------------------------------------------
+# The emulation peer: what a user writes in 30 lines -- NVFP4 fake quantization (two-level scales,
+# E2M1 round-to-nearest), three GEMMs in an autograd function, all under torch.compile.
+E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 
-def bench_quantization(dev, n):
+def fake_nvfp4(t: torch.Tensor) -> torch.Tensor:
+    """NVFP4 fake quantization along the last dim (1x16 blocks, UE4M3 block scale, FP32 tensor scale)."""
+    m, k = t.shape
+    b = t.float().reshape(m, k // 16, 16)
+    s_enc = 448.0 * 6.0 / t.abs().amax().float().clamp_min(1e-30)
+    s_b = (b.abs().amax(-1, keepdim=True) / 6.0 * s_enc).clamp(max=448.0).to(torch.float8_e4m3fn).float()
+    scale = s_b / s_enc
+    v = (b / scale.clamp_min(1e-30)).abs().clamp(max=6.0)
+    q = torch.zeros_like(v)
+    for mid, lo, hi in zip(E2M1_MIDPOINTS, E2M1_VALUES[:-1], E2M1_VALUES[1:]):
+        q = torch.where(v > mid, torch.full_like(v, hi), q)
+    return (torch.sign(b) * q * scale).reshape(m, k).to(t.dtype)
+
+
+class EmulatedNVFP4(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return fake_nvfp4(x) @ fake_nvfp4(w).t()
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        dx = fake_nvfp4(dy) @ fake_nvfp4(w.t().contiguous()).t()
+        dw = fake_nvfp4(dy.t().contiguous()) @ fake_nvfp4(x.t().contiguous()).t()
+        return dx, dw
+
+
+class EmulatedLinear(nn.Linear):
+    def forward(self, x):
+        shape = x.shape
+        dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else x.dtype
+        with torch.autocast("cuda", enabled=False):
+            y = EmulatedNVFP4.apply(x.reshape(-1, shape[-1]).to(dtype), self.weight.to(dtype))
+        return y.reshape(*shape[:-1], -1)
+
+
+def swap_to_emulation(model: nn.Module) -> nn.Module:
+    from hf_fp4.convert import swap_linear_layers
+
+    def make(name, linear):
+        if name.endswith("lm_head"):
+            return None
+        new = EmulatedLinear.__new__(EmulatedLinear)
+        nn.Module.__init__(new)
+        new.in_features, new.out_features, new.weight, new.bias = (linear.in_features, linear.out_features,
+                                                                   linear.weight, linear.bias)
+        return new
+    swap_linear_layers(model, make)
+    return model
+
+
+def torchao_float8(module: nn.Module, recipe: str) -> nn.Module | None:
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except Exception as err:  # noqa: BLE001 - any import problem means the peer is unavailable
+        print(f"torchao float8 unavailable: {err}")
+        return None
+    cfg = Float8LinearConfig.from_recipe_name(recipe)
+    return convert_to_float8_training(module, config=cfg, module_filter_fn=lambda m, fqn: "lm_head" not in fqn)
+
+
+# ----------------------------------------------------------------------------------------------
+def bench_quant(dev, n, results):
+    """Operand quantization of an n x n bf16 tensor, against a device copy and torchao's to_mx."""
+    from hf_fp4.operands import OperandPlan, operands
     from hf_fp4.kernels.quant import triton_quantize
 
-    cases = [("nvfp4", {}), ("mxfp4", {}), ("mxfp4_2d_up", {}), ("ufp4 + RHT-16", {"hadamard": 16}),
-             ("mxfp4 SR", {"sr": True}), ("nvfp4 transposed", {"transpose": True})]
-    make = lambda: (torch.randn(n, n, device=dev, dtype=torch.bfloat16),)  # noqa: E731
-    copy_ms = timed(lambda x: x.clone(), make)
-    copy_bytes = 2 * n * n * 2
-    gbs = lambda nbytes, ms: nbytes / (ms * 1e-3) / 1e9  # noqa: E731
-    rows = [["device copy (bf16 read + write)", f"{copy_ms:.3f}", f"{gbs(copy_bytes, copy_ms):.0f}", "100%", "-"]]
-    for label, opts in cases:
-        name = label.split()[0]
+    inputs = [(torch.randn(n, n, device=dev, dtype=torch.bfloat16),) for _ in range(3)]
+    copy_ms = timed(lambda x: x.clone(), inputs)
+    copy_gbs = 4 * n * n / copy_ms / 1e6
+    rows = [("copy", copy_ms, 4 * n * n)]
+    try:
+        from torchao.prototype.mx_formats.mx_tensor import to_mx
+
+        for label, elem in (("torchao_to_mx_compiled:mxfp8", torch.float8_e4m3fn),
+                            ("torchao_to_mx_compiled:mxfp4", torch.float4_e2m1fn_x2)):
+            f = torch.compile(lambda x, e=elem: to_mx(x, e, 32))
+            rows.append((label, timed(f, inputs), n * n * (2 + (1 if elem == torch.float8_e4m3fn else 0.5))))
+    except Exception as err:  # noqa: BLE001
+        print(f"torchao to_mx unavailable: {err}")
+    seeds = torch.tensor([1, 2], device=dev)
+    signs = hf_fp4.seeded_signs(16, 0).to(dev)
+
+    def plan(name, form, h=0, sr=False):
         spec = QuantSpec.preset(name)
-        if opts.get("sr"):
-            import dataclasses
+        if sr:
             spec = dataclasses.replace(spec, rounding="stochastic")
-        kw = {k: v for k, v in opts.items() if k in ("hadamard", "transpose")}
-        ms = timed(lambda x: triton_quantize(x, spec, seed=1, **kw), make)
-        moved = n * n * 2 + n * n * spec.bits_per_value / 8  # read bf16 once, write codes + scales
-        eager = timed(lambda x: hf_fp4.quantize(x, spec, seed=1), make, warmup=1, reps=3) if label in (
-            "nvfp4", "mxfp4") else None
-        rows.append([label, f"{ms:.3f}", f"{gbs(moved, ms):.0f}", f"{gbs(moved, ms) / gbs(copy_bytes, copy_ms):.0%}",
-                     f"{eager / ms:.1f}x" if eager else "-"])
-    text = table(f"Quantization of a {n}x{n} bf16 tensor (ms, GB/s; % of copy bandwidth = bytes/s ratio)",
-                 ["kernel", "ms", "GB/s", "% of copy", "vs eager reference"], rows)
-    sweep = []
-    for bm, bk, warps in [(32, 64, 4), (64, 128, 8), (256, 64, 8)]:
-        row = [f"{bm}x{bk}, {warps} warps"]
-        for name, kw in (("mxfp4", {}), ("nvfp4", {}), ("nvfp4", {"transpose": True})):
-            spec = QuantSpec.preset(name)
-            ms = timed(lambda x: triton_quantize(x, spec, tile=(bm, bk, warps), **kw), make)
-            row.append(f"{ms:.3f}")
-        sweep.append(row)
-    return text + table("Tile sweep (ms)", ["tile", "mxfp4", "nvfp4", "nvfp4 transposed"], sweep)
+        return OperandPlan(spec, h, h > 0, form, max(16, h, spec.block[1]))
+
+    out_bytes = {"fp8": 1, "bf16": 2}
+    cases = [  # label, plans (rows of t, rows of t^T), signs
+        ("mxfp4 (fp8)", (plan("mxfp4", "fp8"), None)),
+        ("mxfp4_up (fp8)", (plan("mxfp4_up", "fp8"), None)),
+        ("nvfp4 (bf16)", (plan("nvfp4", "bf16"), None)),
+        ("ufp4 (bf16)", (plan("ufp4", "bf16"), None)),
+        ("int4 (bf16)", (plan("int4", "bf16"), None)),
+        ("mxfp8 (bf16)", (plan("mxfp8", "bf16"), None)),
+        ("mxfp4 transposed (fp8)", (None, plan("mxfp4", "fp8"))),
+        ("nvfp4 transposed (bf16)", (None, plan("nvfp4", "bf16"))),
+        ("mxfp4 dual (fp8, fp8)", (plan("mxfp4", "fp8"), plan("mxfp4", "fp8"))),
+        ("nvfp4 dual (bf16, bf16)", (plan("nvfp4", "bf16"), plan("nvfp4", "bf16"))),
+        ("mxfp4_2d_up dual (fp8)", (plan("mxfp4_2d_up", "fp8"), plan("mxfp4_2d_up", "fp8"))),
+        ("nvfp4 SR (bf16)", (plan("nvfp4", "bf16", sr=True), None)),
+        ("mxfp4 SR (fp8)", (plan("mxfp4", "fp8", sr=True), None)),
+        ("ufp4 RHT-16 (bf16)", (plan("ufp4", "bf16", h=16), None)),
+        ("ufp4 RHT-16 + SR dual (bf16)", (plan("ufp4", "bf16", h=16), plan("ufp4", "bf16", h=16, sr=True))),
+        ("mxfp4_dh H-32 transposed (fp8)", (None, plan("mxfp4", "fp8", h=32))),
+    ]
+    for label, plans in cases:
+        s = tuple(hf_fp4.seeded_signs(p.hadamard, 0).to(dev) if p is not None and p.hadamard else None
+                  for p in plans)
+        ms = timed(lambda x, p=plans, s=s: operands(x, p, seeds, s), inputs)
+        written = sum(out_bytes[p.form] for p in plans if p is not None)
+        rows.append((f"hf_fp4:{label}", ms, n * n * (2 + written)))
+    for name in ("mxfp4", "nvfp4"):  # packed codes + scales (export path)
+        spec = QuantSpec.preset(name)
+        ms = timed(lambda x, s=spec: triton_quantize(x, s), inputs)
+        rows.append((f"hf_fp4:{name} packed codes", ms, n * n * (2 + spec.bits_per_value / 8)))
+    del signs
+    table = []
+    for label, ms, nbytes in rows:
+        gbs = nbytes / ms / 1e6
+        results["quant"].append({"tensor": f"{n}x{n}", "impl": label, "ms": round(ms, 4),
+                                 "gb_per_s": round(gbs, 1), "of_copy_bw": round(gbs / copy_gbs, 3)})
+        table.append([label, f"{ms:.3f}", f"{gbs:.0f}", f"{gbs / copy_gbs:.0%}"])
+    return md_table(f"Operand quantization of a {n}x{n} bf16 tensor (bytes read once + written; % of the "
+                    "device copy's bytes/s)", ["impl", "ms", "GB/s", "% of copy"], table)
 
 
-def bench_linear(dev, tokens, shapes):
-    rows = []
+def linear_impls(k, n, dev, names):
+    """name -> module (fwd+bwd is timed), built on demand so only one lives at a time."""
+    def base():
+        torch.manual_seed(0)
+        return nn.Linear(k, n, bias=False, device=dev, dtype=torch.bfloat16)
+
+    for name in names:
+        if name == "bf16":
+            yield name, base()
+        elif name == "bf16_compiled":
+            yield name, torch.compile(base())
+        elif name.startswith("torchao_fp8_"):
+            m = torchao_float8(nn.Sequential(base()), name.removeprefix("torchao_fp8_"))
+            if m is not None:
+                yield name, torch.compile(m)
+        elif name == "emulation_compiled":
+            yield name, torch.compile(swap_to_emulation(nn.Sequential(base())))
+        else:
+            recipe, _, mode = name.removeprefix("hf_fp4:").partition(":")
+            layer = FP4Linear.from_linear(base(), preset(recipe).linear, name="bench")
+            yield name, torch.compile(layer) if mode == "compiled" else layer
+
+
+def bench_linear(dev, tokens, shapes, results, names):
+    table = []
     for k, n in shapes:
-        x_make = lambda: (torch.randn(tokens, k, device=dev, dtype=torch.bfloat16, requires_grad=True),  # noqa: E731
-                          torch.randn(tokens, n, device=dev, dtype=torch.bfloat16))
-        base = nn.Linear(k, n, bias=False, device=dev, dtype=torch.bfloat16)
-
-        def step(layer):
-            def run(x, dy):
+        inputs = [(torch.randn(tokens, k, device=dev, dtype=torch.bfloat16, requires_grad=True),
+                   torch.randn(tokens, n, device=dev, dtype=torch.bfloat16)) for _ in range(3)]
+        row, base_ms = [f"{k}x{n}"], None
+        for name, layer in linear_impls(k, n, dev, names):
+            def step(x, dy, layer=layer):
                 layer(x).backward(dy)
-            return run
-
-        bf16_ms = timed(step(base), x_make)
-        row = [f"{k}x{n}", f"{bf16_ms:.2f}"]
-        for name in ["reference:nvfp4"] + FP4_PRESETS:
-            backend, _, recipe = name.rpartition(":")
-            layer = FP4Linear.from_linear(nn.Linear(k, n, bias=False, device=dev, dtype=torch.bfloat16),
-                                          preset(recipe).linear, name="bench")
-            layer.backend = backend or "triton"
-            reps = 3 if backend == "reference" else 10
-            ms = timed(step(layer), x_make, warmup=1 if backend else 3, reps=reps)
-            row.append(f"{ms:.2f} ({bf16_ms / ms:.2f}x)")
-        rows.append(row)
-    return table(f"Linear forward + backward, {tokens} tokens (ms; speed vs bf16 nn.Linear)",
-                 ["K x N", "bf16"] + ["eager ref. nvfp4"] + FP4_PRESETS, rows)
+            ms = timed(step, inputs, warmup=3, reps=20)
+            base_ms = base_ms or ms
+            results["linear"].append({"shape": f"{k}x{n}", "tokens": tokens, "impl": name, "ms": round(ms, 4)})
+            row.append(f"{ms:.2f} ({base_ms / ms:.2f}x)")
+            del layer
+            torch.cuda.empty_cache() if dev == "cuda" else None
+        table.append(row)
+    return md_table(f"Linear forward + backward, {tokens} tokens, bf16 (ms; speed vs bf16 nn.Linear)",
+                    ["K x N"] + names, table)
 
 
-def bench_end_to_end(dev, cfg_kwargs, batch, seq, steps):
+def build_model(name, cfg_kwargs, dev):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    rows = []
-    results = {}
-    for name in ["bf16"] + FP4_PRESETS + ["reference:nvfp4"]:
-        backend, _, recipe = name.rpartition(":")
-        torch.manual_seed(0)
-        cfg = LlamaConfig(**cfg_kwargs)
-        model = AutoModelForCausalLM.from_config(cfg, quantization_config=hf_fp4.FP4TrainConfig(recipe)).to(dev)
-        for m in hf_fp4.fp4_modules(model).values():
-            m.backend = backend or "auto"
+    torch.manual_seed(0)
+    cfg = LlamaConfig(**cfg_kwargs)
+    if name.startswith("hf_fp4:"):
+        recipe = name.removeprefix("hf_fp4:").split(":")[0]
+        model = AutoModelForCausalLM.from_config(cfg, quantization_config=hf_fp4.FP4TrainConfig(recipe))
+    else:
+        model = AutoModelForCausalLM.from_config(cfg)
+    model = model.to(dev)
+    if name.startswith("torchao_fp8_"):
+        model = torchao_float8(model, name.removeprefix("torchao_fp8_").removesuffix(":compiled"))
+    if name.startswith("emulation"):
+        model = swap_to_emulation(model)
+    if name.endswith("compiled") and model is not None:
+        for layer in model.model.layers:  # regional compilation: one compiled decoder block, reused
+            layer.compile()
+    return model, cfg
+
+
+def bench_e2e(dev, label, cfg_kwargs, batch, seq, steps, results, names):
+    table, base = [], None
+    for name in names:
+        model, cfg = build_model(name, cfg_kwargs, dev)
+        if model is None:
+            continue
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=dev == "cuda")
-        make = lambda: (torch.randint(0, cfg.vocab_size, (batch, seq), device=dev),)  # noqa: E731
+        inputs = [(torch.randint(0, cfg.vocab_size, (batch, seq), device=dev),) for _ in range(3)]
 
         def step(ids):
             with torch.autocast(dev, dtype=torch.bfloat16, enabled=dev == "cuda"):
@@ -140,56 +276,116 @@ def bench_end_to_end(dev, cfg_kwargs, batch, seq, steps):
             opt.step()
             opt.zero_grad(set_to_none=True)
 
-        n = 2 if backend == "reference" else steps
-        ms = timed(step, make, warmup=2, reps=n)
-        results[name] = batch * seq / (ms / 1e3)
+        t0 = time.perf_counter()
+        ms = timed(step, inputs, warmup=3, reps=steps)
+        tps = batch * seq / (ms / 1e3)
+        base = base or tps
+        results["e2e"].append({"model": label, "impl": name, "tokens_per_s": round(tps), "step_ms": round(ms, 2),
+                               "tokens_per_step": batch * seq})
+        table.append([name, f"{tps:,.0f}", f"{tps / base:.2f}x", f"{time.perf_counter() - t0:.0f}"])
+        print(table[-1], flush=True)
         del model, opt
-        if dev == "cuda":
-            torch.cuda.empty_cache()
-    for name, tps in results.items():
-        rows.append([name, f"{tps:,.0f}", f"{tps / results['bf16']:.2f}x",
-                     f"{tps / results['reference:nvfp4']:.1f}x"])
-    params = "~1.1B" if cfg_kwargs["hidden_size"] >= 2048 else "small"
-    return table(f"End-to-end train step, Llama {params} ({cfg_kwargs['hidden_size']}d x "
-                 f"{cfg_kwargs['num_hidden_layers']}L), {batch}x{seq} tokens, bf16 autocast, AdamW",
-                 ["recipe", "tokens/s", "vs bf16", "vs eager reference nvfp4"], rows)
+        torch.cuda.empty_cache() if dev == "cuda" else None
+    return md_table(f"End-to-end train step, {label}, {batch}x{seq} tokens, fp32 master weights, bf16 autocast, "
+                    "fused AdamW", ["impl", "tokens/s", "vs first row", "wall s (incl. compile)"], table)
+
+
+def md_table(title, header, rows):
+    lines = [f"### {title}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    text = "\n".join(lines) + "\n"
+    print(text, flush=True)
+    return text
+
+
+def bench50m_model() -> dict:
+    import yaml
+
+    cfg = yaml.safe_load((Path(__file__).resolve().parent.parent / "configs" / "bench-50m.yaml").read_text())
+    return cfg["model"], cfg
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="tiny sizes (CPU smoke test)")
-    parser.add_argument("--out", default="benchmarks", help="folder for results-<date>.md")
-    parser.add_argument("--parts", default="quant,linear,e2e")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--parts", default="quant,linear,e2e", help="comma list of quant, linear, e2e, e2e50m")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes (a CPU smoke test of the script)")
+    parser.add_argument("--out", default="benchmarks", help="folder for results-<date>.{json,md}")
+    parser.add_argument("--impls", default=None, help="comma list restricting the linear / e2e impls")
+    parser.add_argument("--merge", nargs="*", default=None, help="merge these results JSON files into one")
     args = parser.parse_args()
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    parts = args.parts.split(",")
     date = datetime.date.today().isoformat()
-    device = torch.cuda.get_device_name() if dev == "cuda" else platform.processor() or "cpu"
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.merge:
+        results = merge(args.merge)
+        write(results, out / f"results-{date}", "")
+        return
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
     import transformers
     import triton
-    header = (f"# hf_fp4 benchmark, {date}\n\n- device: {device}\n- torch {torch.__version__}, triton "
-              f"{triton.__version__}, transformers {transformers.__version__}, python {platform.python_version()}\n"
-              f"- command: `python {' '.join(sys.argv)}`\n\n")
-    out = [header]
+    versions = {"torch": torch.__version__, "triton": triton.__version__, "transformers": transformers.__version__,
+                "python": platform.python_version(), "hf_fp4": hf_fp4.__version__}
+    try:
+        import torchao
+        versions["torchao"] = torchao.__version__
+    except Exception:  # noqa: BLE001
+        pass
+    results = {"device": torch.cuda.get_device_name() if dev == "cuda" else platform.processor() or "cpu",
+               "versions": versions, "command": "python " + " ".join(sys.argv), "date": date,
+               "linear": [], "e2e": [], "quant": []}
+    parts = args.parts.split(",")
+    lin_names = ["bf16", "bf16_compiled", "torchao_fp8_tensorwise", "torchao_fp8_rowwise", "emulation_compiled"]
+    lin_names += [f"hf_fp4:{p}" for p in FP4_PRESETS] + [f"hf_fp4:{p}:compiled" for p in FP4_PRESETS]
+    e2e_names = ["bf16", "bf16_compiled", "torchao_fp8_tensorwise:compiled", "torchao_fp8_rowwise:compiled",
+                 "emulation_compiled"] + [f"hf_fp4:{p}:compiled" for p in FP4_PRESETS]
+    if args.impls:
+        keep = set(args.impls.split(","))
+        lin_names = [n for n in lin_names if n in keep]
+        e2e_names = [n for n in e2e_names if n in keep]
     if args.quick:
-        sizes = dict(n=256, tokens=128, shapes=[(128, 128)], e2e=dict(hidden_size=64, intermediate_size=128,
-                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=256), batch=2,
-                     seq=32, steps=2)
+        sizes = dict(n=256, tokens=128, shapes=[(128, 128)], steps=2, batch=2, seq=64,
+                     e2e=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                              num_key_value_heads=2, vocab_size=256))
     else:
-        sizes = dict(n=8192, tokens=8192, shapes=[(4096, 4096), (4096, 14336), (14336, 4096)],
-                     e2e=dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16, num_attention_heads=32,
-                              num_key_value_heads=8, vocab_size=32000, max_position_embeddings=2048),
-                     batch=4, seq=2048, steps=5)
+        sizes = dict(n=8192, tokens=8192, shapes=[(4096, 4096), (4096, 14336), (14336, 4096)], steps=10, batch=4,
+                     seq=2048, e2e=LLAMA_1B)
+    text = []
     if "quant" in parts:
-        out.append(bench_quantization(dev, sizes["n"]))
+        text.append(bench_quant(dev, sizes["n"], results))
     if "linear" in parts:
-        out.append(bench_linear(dev, sizes["tokens"], sizes["shapes"]))
+        text.append(bench_linear(dev, sizes["tokens"], sizes["shapes"], results, lin_names))
     if "e2e" in parts:
-        out.append(bench_end_to_end(dev, sizes["e2e"], sizes["batch"], sizes["seq"], sizes["steps"]))
-    path = Path(args.out) / f"results-{date}{'-quick' if args.quick else ''}.md"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(out))
-    print(f"-> {path}")
+        text.append(bench_e2e(dev, "llama-1.1b", sizes["e2e"], sizes["batch"], sizes["seq"], sizes["steps"],
+                              results, e2e_names))
+    if "e2e50m" in parts:
+        model_cfg, cfg = bench50m_model()
+        kwargs = {k: v for k, v in model_cfg.items() if k != "model_type"}
+        kwargs["vocab_size"] = int(cfg["vocab_size"])
+        seq, batch = int(cfg["seq_len"]), int(cfg["batch_size"])
+        text.append(bench_e2e(dev, "bench-50m", kwargs, batch, seq, sizes["steps"] * 2, results, e2e_names))
+    write(results, out / f"results-{date}{'-quick' if args.quick else ''}-{'-'.join(parts)}", "\n".join(text))
+
+
+def merge(paths):
+    results = None
+    for p in paths:
+        data = json.loads(Path(p).read_text())
+        if results is None:
+            results = {**data, "command": [data["command"]]}
+            continue
+        results["command"].append(data["command"])
+        for part in ("quant", "linear", "e2e"):
+            results[part] += data.get(part, [])
+    return results
+
+
+def write(results, stem: Path, text: str):
+    stem.with_suffix(".json").write_text(json.dumps(results, indent=1))
+    commands = results["command"] if isinstance(results["command"], list) else [results["command"]]
+    header = (f"# hf_fp4 benchmark, {results.get('date')}\n\n- device: {results['device']}\n- versions: "
+              f"{results['versions']}\n" + "".join(f"- command: `{c}`\n" for c in commands) + "\n")
+    stem.with_suffix(".md").write_text(header + text)
+    print(f"-> {stem}.json, {stem}.md")
 
 
 if __name__ == "__main__":

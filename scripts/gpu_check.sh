@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # GPU suite + benchmark on the device machine (no registry there): run from the repository root.
-# Before the call, here:  bash ../shared/tools/gpu-wheels.sh .whl  (once) and
+# Before the call, here:  bash ../shared/tools/gpu-wheels.sh .whl  (once; datasets, lm-eval, torchao) and
 #                          .venv/bin/pip wheel -q --no-deps -w .whl .   (after every change)
-# then carry .whl (and .cache for the pretraining data). Usage: bash scripts/gpu_check.sh [tests|bench|all]
-set -euo pipefail
+# then carry .whl. Usage: bash scripts/gpu_check.sh [tests|bench|all]   (BENCH_ARGS="--parts quant,linear ...")
+set -uo pipefail
 what=${1:-all}
 status=0
 SITE=${SITE:-/tmp/hf_fp4_site}
@@ -14,10 +14,11 @@ export PYTHONPATH="$SITE"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/device.txt"
 if [ "$what" = tests ] || [ "$what" = all ]; then
   # -P: keep the repository root off sys.path, so the installed hf_fp4 (with hf_fp4.kernels) is used
-  python3 -P -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_formats.py tests/test_quantize.py \
-    tests/test_hadamard.py tests/test_linear.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 || status=1
+  python3 -P -m pytest -q -p no:cacheprovider -x ${TESTS:-tests/test_kernels.py tests/test_linear.py \
+    tests/test_formats.py tests/test_quantize.py tests/test_hadamard.py} 2>&1 | tee "$OUT/gpu_tests.log" | tail -15 \
+    || status=1
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
-  python3 -P scripts/bench.py --out "$OUT" --parts "${BENCH_PARTS:-quant,linear,e2e}" 2>&1 | tee "$OUT/bench.log" | tail -60
+  python3 -P scripts/bench.py --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | grep -v "^\[" | tail -80
 fi
 exit $status
