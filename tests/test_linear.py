@@ -238,15 +238,17 @@ def test_each_gemm_equals_the_float64_product_of_its_quantized_operands(name, ba
     the exact FP8 / BF16 GEMMs; the planted blocks lie beyond E4M3's range (FP8 recipes recompute them)."""
     if backend == "triton":
         pytest.importorskip("hf_fp4.kernels.operand")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # the triton backend runs on the GPU there
     _, layer = make_layer(name, seed=4)
+    layer = layer.to(dev)
     layer.backend = backend
     with torch.no_grad():
         layer.weight[:, :32] *= 2.0**20  # W's rows: a block 20 binades above the rest (lost in FP8)
-    x, dy = inputs(seed=5)
+    x, dy = (t.to(dev) for t in inputs(seed=5))
     x[3] *= 2.0**-22  # a token far below the rest: its own FP8 row reference
     x[5, :32] *= 2.0**-20  # a block far below its token's others, meeting W's large columns
     x[32:, 40] *= 2.0**-22  # one below its feature's others along the tokens (wgrad's x^T)
-    for call, (xs, dys) in enumerate([(x, dy), inputs(seed=6)]):
+    for call, (xs, dys) in enumerate([(x, dy), tuple(t.to(dev) for t in inputs(seed=6))]):
         layer.zero_grad()
         got = run(layer, xs, dys)
         for gemm, g, (a, b) in zip(("fprop", "dgrad", "wgrad"), got, quantized_operands(name, layer, xs, dys, call)):
@@ -263,14 +265,16 @@ def test_torch_compile_fullgraph_equals_eager_bit_for_bit(name, backend):
     import torch._dynamo
 
     torch._dynamo.reset()
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
     _, eager = make_layer(name, seed=2, bias=True)
     _, compiled = make_layer(name, seed=2, bias=True)
+    eager, compiled = eager.to(dev), compiled.to(dev)
     compiled.load_state_dict(eager.state_dict())
     eager.backend = compiled.backend = backend
     fn = torch.compile(compiled, fullgraph=True, backend="aot_eager")
     with torch._dynamo.config.patch(error_on_recompile=True):
         for step in range(2):
-            x, dy = inputs(seed=10 + step)
+            x, dy = (t.to(dev) for t in inputs(seed=10 + step))
             for a, b in zip(run(eager, x, dy), run(fn, x, dy)):
                 assert torch.equal(a, b), (name, step)
             assert torch.equal(eager.bias.grad, compiled.bias.grad)

@@ -1,0 +1,111 @@
+#!/usr/bin/env python
+"""Where the fast path's time goes, on the GPU: launch overhead vs kernel time, and a kernel table.
+
+    python scripts/profile_fast_path.py [--n 8192] [--only-operand PRESET]   (the latter: for ncu)
+
+1. Operand quantization of an n x n bf16 tensor: eager (CUDA events around the Python call, so launch
+   overhead counts when the GPU is faster than the host) against the replay of a captured CUDA graph
+   (GPU time only).
+2. torch.profiler over FP4Linear forward + backward (4096 x 4096, 8192 tokens): GPU time per kernel.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import torch
+from torch import nn
+
+import hf_fp4
+from hf_fp4 import FP4Linear, QuantSpec, preset
+from hf_fp4.operands import OperandPlan, operands
+
+
+def plan(name, form, h=0, sr=False):
+    spec = QuantSpec.preset(name)
+    if sr:
+        spec = dataclasses.replace(spec, rounding="stochastic")
+    return OperandPlan(spec, h, h > 0, form, max(16, h, spec.block[1]))
+
+
+CASES = {
+    "mxfp4": (plan("mxfp4", "fp8"), None), "nvfp4": (plan("nvfp4", "bf16"), None),
+    "mxfp8": (plan("mxfp8", "bf16"), None), "int4": (plan("int4", "bf16"), None),
+    "mxfp4-dual": (plan("mxfp4", "fp8"), plan("mxfp4", "fp8")),
+    "nvfp4-dual": (plan("nvfp4", "bf16"), plan("nvfp4", "bf16")),
+    "mxfp4-T": (None, plan("mxfp4", "fp8")), "nvfp4-sr": (plan("nvfp4", "bf16", sr=True), None),
+    "ufp4-h16": (plan("ufp4", "bf16", 16), None),
+}
+
+
+def event_ms(fn, reps=20):
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def graph_ms(fn, reps=20):
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return event_ms(g.replay, reps)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--n", type=int, default=8192)
+    p.add_argument("--only-operand", default=None)
+    p.add_argument("--linear", default="mxfp4,nvfp4")
+    args = p.parse_args()
+    dev = "cuda"
+    x = torch.randn(args.n, args.n, device=dev, dtype=torch.bfloat16)
+    seeds = torch.tensor([1, 2], device=dev)
+    sign = hf_fp4.seeded_signs(16, 0).to(dev)
+
+    def call(plans):
+        s = tuple(sign if p is not None and p.hadamard else None for p in plans)
+        return lambda: operands(x, plans, seeds, s)
+
+    if args.only_operand:
+        call(CASES[args.only_operand])()
+        torch.cuda.synchronize()
+        return
+    copy = event_ms(lambda: x.clone())
+    print(f"copy {copy:.4f} ms")
+    print("| operand | eager ms | graph ms | graph % of copy bytes/s |")
+    for name, plans in CASES.items():
+        e, g = event_ms(call(plans)), graph_ms(call(plans))
+        out = sum({"fp8": 1, "bf16": 2}[p.form] for p in plans if p is not None)
+        print(f"| {name} | {e:.4f} | {g:.4f} | {(2 + out) / 4 * copy / g:.0%} |")
+    tokens = 8192
+    for recipe in args.linear.split(","):
+        layer = FP4Linear.from_linear(nn.Linear(4096, 4096, bias=False, device=dev, dtype=torch.bfloat16),
+                                      preset(recipe).linear, name="p")
+        xs = torch.randn(tokens, 4096, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        dy = torch.randn(tokens, 4096, device=dev, dtype=torch.bfloat16)
+        step = lambda: layer(xs).backward(dy)  # noqa: E731
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+        print(f"linear {recipe}: eager {event_ms(step, 10):.3f} ms per fwd+bwd")
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                step()
+            torch.cuda.synchronize()
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+
+
+if __name__ == "__main__":
+    main()
