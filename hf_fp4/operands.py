@@ -142,7 +142,7 @@ def empty_operand(plan: OperandPlan, rows: int, k: int, device, dtype=torch.floa
         return Operand(torch.empty(r, c, dtype=torch.float8_e4m3fn, device=device),
                        torch.empty(r, dtype=torch.float32, device=device),
                        torch.empty(r, c, dtype=torch.float8_e4m3fn, device=device),
-                       torch.empty(r, c // plan.spec.block[1], dtype=torch.int8, device=device),
+                       torch.full((r, c // plan.spec.block[1]), -128, dtype=torch.int8, device=device),
                        torch.zeros(r, dtype=torch.int8, device=device))
     return Operand(torch.empty(r, c, dtype=torch.bfloat16, device=device), one, none(), none(), none())
 

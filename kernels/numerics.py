@@ -86,9 +86,9 @@ def round_grid(m, u, GRID: tl.constexpr, STOCHASTIC: tl.constexpr):
             v = m * tl.where(small, 2.0, tl.where(mid, 1.0, 0.5))
             lo = tl.floor(v)
             q = tl.where(u < v - lo, lo + 1.0, lo) * tl.where(small, 0.5, tl.where(mid, 1.0, 2.0))
-        else:
-            q = tl.where(m < 2.0, _rne_step(m, 6291456.0),
-                         tl.where(m < 4.0, _rne_step(m, 12582912.0), _rne_step(m, 25165824.0)))
+        else:  # one magic constant per element: 1.5 * 2^23 * step of m's binade
+            magic = tl.where(m < 2.0, 6291456.0, tl.where(m < 4.0, 12582912.0, 25165824.0))
+            q = (m + magic) - magic
         q = tl.minimum(q, 6.0)
     elif GRID == 1:  # E1M2: step 0.25 up to 1.75
         if STOCHASTIC:
@@ -183,11 +183,30 @@ def sr_uniforms(seed, rows, col0, KP, BM: tl.constexpr, BK: tl.constexpr):
 
 
 @triton.jit
-def block_max(a, BM: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
-    """Per-block max of a [BM, BK] tile with BR x BC blocks -> [BM // BR, BK // BC]."""
+def _max_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def block_max(a, BM: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+              NAN: tl.constexpr = False):
+    """Per-block max of a [BM, BK] tile with BR x BC blocks -> [BM // BR, BK // BC].  NAN: a block holding
+    a NaN gives NaN (tl.max, like PTX's max, drops NaN)."""
+    if NAN:
+        if BR == 1:
+            return tl.reduce(tl.reshape(a, [BM, BK // BC, BC]), 2, _max_nan)
+        return tl.reduce(tl.reduce(tl.reshape(a, [BM // BR, BR, BK // BC, BC]), 3, _max_nan), 1, _max_nan)
     if BR == 1:
         return tl.max(tl.reshape(a, [BM, BK // BC, BC]), axis=2)
     return tl.max(tl.max(tl.reshape(a, [BM // BR, BR, BK // BC, BC]), axis=3), axis=1)
+
+
+@triton.jit
+def block_any(b, BM: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+    """Per-block maximum of an integer tile (e.g. "any element flagged")."""
+    if BR == 1:
+        return tl.max(tl.reshape(b, [BM, BK // BC, BC]), axis=2)
+    return tl.max(tl.max(tl.reshape(b, [BM // BR, BR, BK // BC, BC]), axis=3), axis=1)
 
 
 @triton.jit

@@ -24,6 +24,7 @@ Operand forms (bit-exact with the reference values, `hf_fp4.quantize` then `dequ
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -44,7 +45,7 @@ def _stat(x, stat_ptr, rows, n_rows, signs_ptr, BM: tl.constexpr, BK: tl.constex
     if H > 0:
         x = hadamard(x, signs_ptr, BM, BK, H, HSCALE, HAS_SIGNS)
     a = tl.abs(x)
-    a = tl.where((a == a) & (a != float("inf")), a, 0.0)  # the reference zeroes non-finite values first
+    a = tl.where(a < float("inf"), a, 0.0)  # the reference zeroes non-finite values first (NaN < inf is false)
     row_max = tl.max(a, axis=1)
     if STAT == 1:
         tl.atomic_max(stat_ptr + rows, row_max, mask=rows < n_rows)
@@ -54,12 +55,12 @@ def _stat(x, stat_ptr, rows, n_rows, signs_ptr, BM: tl.constexpr, BK: tl.constex
 
 @triton.jit
 def _stats_kernel(t_ptr, R, C, s_r, s_c, mu_ptr, a_stat, a_signs, b_stat, b_signs,
-                  BR: tl.constexpr, BC: tl.constexpr, HAS_MU: tl.constexpr,
+                  BR: tl.constexpr, BC: tl.constexpr, HAS_MU: tl.constexpr, EVEN: tl.constexpr,
                   A_STAT: tl.constexpr, A_H: tl.constexpr, A_HSCALE: tl.constexpr, A_SIGNS: tl.constexpr,
                   B_STAT: tl.constexpr, B_H: tl.constexpr, B_HSCALE: tl.constexpr, B_SIGNS: tl.constexpr):
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     cols = tl.program_id(1) * BC + tl.arange(0, BC)
-    x = load_tile(t_ptr, rows, cols, R, C, s_r, s_c, mu_ptr, HAS_MU)
+    x = load_tile(t_ptr, rows, cols, R, C, s_r, s_c, mu_ptr, HAS_MU, EVEN)
     if A_STAT > 0:
         _stat(x, a_stat, rows, R, a_signs, BR, BC, A_STAT, A_H, A_HSCALE, A_SIGNS)
     if B_STAT > 0:
@@ -72,27 +73,33 @@ def _emit(x, rows, cols, col0, first_k_tile, first_tile, out_ptr, n_rows, n_cols
           BM: tl.constexpr, BK: tl.constexpr, BLR: tl.constexpr, BLC: tl.constexpr, GRID: tl.constexpr,
           QMAX: tl.constexpr, QM: tl.constexpr, QE: tl.constexpr, EMAX: tl.constexpr, SCALE: tl.constexpr,
           SR: tl.constexpr, H: tl.constexpr, HSCALE: tl.constexpr, HAS_SIGNS: tl.constexpr, FP8: tl.constexpr,
-          SHIFT: tl.constexpr, DMAX: tl.constexpr):
-    """Quantize a [BM, BK] tile (rows = operand rows, columns = contraction) into its GEMM operand."""
+          SHIFT: tl.constexpr, DMAX: tl.constexpr, EVEN: tl.constexpr, INTERPRETED: tl.constexpr):
+    """Quantize a [BM, BK] tile (rows = operand rows, columns = contraction) into its GEMM operand.
+
+    Per element only: scale, round, sign, multiply by the block factor, convert.  Non-finite input
+    needs no per-element test: the block amax propagates NaN/Inf, and a NaN block factor makes the
+    whole block NaN (the E4M3 conversion keeps NaN on the GPU; under INTERPRETED -- Triton's interpreter,
+    whose conversion does not -- the NaN code is written explicitly)."""
     if H > 0:
         x = hadamard(x, signs_ptr, BM, BK, H, HSCALE, HAS_SIGNS)
-    bad = (x != x) | (tl.abs(x) == float("inf"))
-    x = tl.where(bad, 0.0, x)
-    amax = block_max(tl.abs(x), BM, BK, BLR, BLC)  # [BM // BLR, BK // BLC]
+    a = tl.abs(x)
+    if INTERPRETED:  # the interpreter's max drops NaN, as PTX's does: map NaN to Inf first
+        a = tl.where(a == a, a, float("inf"))
+    amax = block_max(a, BM, BK, BLR, BLC, not INTERPRETED)  # [BM // BLR, BK // BLC]; NaN/Inf: non-finite
+    bad = ~(amax <= 3.4028234663852886e38)
     NBM: tl.constexpr = BM // BLR
     NBK: tl.constexpr = BK // BLC
-    lost = amax < 0  # all False
     if SCALE == 0 or SCALE == 1:  # E8M0 (floor or ceil)
         e = e8m0_exponent(amax, SCALE == 1, QM, QE, EMAX)
         encode = pow2(-e)
         if FP8:
-            row_amax = tl.load(stat_ptr + rows, mask=rows < n_rows, other=0.0)
+            row_amax = tl.load(stat_ptr + rows) if EVEN else tl.load(stat_ptr + rows, mask=rows < n_rows, other=0.0)
             e_ref = e8m0_exponent(tl.max(tl.reshape(row_amax, [NBM, BLR]), axis=1), SCALE == 1, QM, QE, EMAX)
-            lost = (amax > 0) & (e_ref[:, None] - e > DMAX)
+            lost = (amax > 0) & (e_ref[:, None] - e > DMAX) & ~bad
             factor = tl.where(lost, 0.0, pow2(tl.maximum(e - e_ref[:, None] + SHIFT, -149)))
-            row_scale = tl.reshape(tl.broadcast_to(e_ref[:, None], [NBM, BLR]), [BM])
             if first_k_tile:
-                tl.store(scale_ptr + rows, pow2(row_scale - SHIFT), mask=rows < n_rows)
+                e_row = tl.reshape(tl.broadcast_to(e_ref[:, None], [NBM, BLR]), [BM])
+                tl.store(scale_ptr + rows, pow2(e_row - SHIFT), mask=None if EVEN else rows < n_rows)
         else:
             factor = pow2(e)
     else:  # UE4M3 block scale + FP32 tensor scale
@@ -103,6 +110,7 @@ def _emit(x, rows, cols, col0, first_k_tile, first_tile, out_ptr, n_rows, n_cols
         encode = tl.where(factor > 0, tl.math.div_rn(tl.full(decode.shape, 1.0, tl.float32), decode), 0.0)
         if first_tile:
             tl.store(scale_ptr, s_dec)
+    factor = tl.where(bad, float("nan"), factor)
     scaled = x * expand_blocks(encode, BM, BK, BLR, BLC)
     m = tl.abs(scaled)
     if SR:
@@ -111,24 +119,29 @@ def _emit(x, rows, cols, col0, first_k_tile, first_tile, out_ptr, n_rows, n_cols
         u = m
     q = round_grid(m, u, GRID, SR)
     q = tl.where(scaled < 0, -q, q)
-    bad_block = expand_blocks(block_max(bad.to(tl.int32), BM, BK, BLR, BLC), BM, BK, BLR, BLC) > 0
-    val = tl.where(bad_block, float("nan"), q * expand_blocks(factor, BM, BK, BLR, BLC))
-    inside = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+    val = q * expand_blocks(factor, BM, BK, BLR, BLC)
     offs = rows[:, None].to(tl.int64) * n_cols + cols[None, :]
+    if EVEN:
+        inside = None
+    else:
+        inside = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
     if FP8:
-        bits = tl.where(bad_block, 0x7F, val.to(tl.float8e4nv).to(tl.uint8, bitcast=True))  # E4M3 NaN: 0x7F
+        bits = val.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        if INTERPRETED:
+            bits = tl.where(val != val, 0x7F, bits)  # E4M3 NaN
         tl.store(out_ptr + offs, bits, mask=inside)
-        lost_el = expand_blocks(lost.to(tl.int32), BM, BK, BLR, BLC) > 0
-        tl.store(side_ptr + offs, (q * (1 << SHIFT)).to(tl.float8e4nv).to(tl.uint8, bitcast=True),
-                 mask=inside & lost_el)
-        eb = tl.where(lost, e, -128)
-        if BLR > 1:
-            eb = tl.reshape(tl.broadcast_to(tl.reshape(eb, [NBM, 1, NBK]), [NBM, BLR, NBK]), [BM, NBK])
-        bcols = col0 // BLC + tl.arange(0, NBK)
-        tl.store(eb_ptr + rows[:, None].to(tl.int64) * (n_cols // BLC) + bcols[None, :], eb.to(tl.int8),
-                 mask=(rows[:, None] < n_rows) & (bcols[None, :] < n_cols // BLC))
-        row_lost = tl.max(tl.max(tl.reshape(lost_el.to(tl.int32), [BM, NBK, BLC]), axis=2), axis=1)
-        tl.store(flag_ptr + rows, row_lost.to(tl.int8), mask=(rows < n_rows) & (row_lost > 0))
+        if tl.max(tl.max(lost.to(tl.int32), axis=1), axis=0) > 0:  # rare: record the lost blocks exactly
+            lost_el = expand_blocks(lost.to(tl.int32), BM, BK, BLR, BLC) > 0
+            tl.store(side_ptr + offs, (q * (1 << SHIFT)).to(tl.float8e4nv).to(tl.uint8, bitcast=True),
+                     mask=lost_el if EVEN else inside & lost_el)
+            eb = tl.where(lost, e, -128)
+            if BLR > 1:
+                eb = tl.reshape(tl.broadcast_to(tl.reshape(eb, [NBM, 1, NBK]), [NBM, BLR, NBK]), [BM, NBK])
+            bcols = col0 // BLC + tl.arange(0, NBK)
+            tl.store(eb_ptr + rows[:, None].to(tl.int64) * (n_cols // BLC) + bcols[None, :], eb.to(tl.int8),
+                     mask=(rows[:, None] < n_rows) & (bcols[None, :] < n_cols // BLC))
+            row_lost = tl.max(tl.max(tl.reshape(lost_el.to(tl.int32), [BM, NBK, BLC]), axis=2), axis=1)
+            tl.store(flag_ptr + rows, row_lost.to(tl.int8), mask=(rows < n_rows) & (row_lost > 0))
     else:
         tl.store(out_ptr + offs, val.to(tl.bfloat16), mask=inside)
 
@@ -137,7 +150,8 @@ def _emit(x, rows, cols, col0, first_k_tile, first_tile, out_ptr, n_rows, n_cols
 def _operand_kernel(t_ptr, R, C, s_r, s_c, mu_ptr,
                     a_out, a_rows, a_cols, a_stat, a_scale, a_seed, a_signs, a_side, a_eb, a_flags, a_kp,
                     b_out, b_rows, b_cols, b_stat, b_scale, b_seed, b_signs, b_side, b_eb, b_flags, b_kp,
-                    BR: tl.constexpr, BC: tl.constexpr, HAS_MU: tl.constexpr,
+                    BR: tl.constexpr, BC: tl.constexpr, HAS_MU: tl.constexpr, EVEN: tl.constexpr,
+                    INTERPRETED: tl.constexpr,
                     A_ON: tl.constexpr, A_BLR: tl.constexpr, A_BLC: tl.constexpr, A_GRID: tl.constexpr,
                     A_QMAX: tl.constexpr, A_QM: tl.constexpr, A_QE: tl.constexpr, A_EMAX: tl.constexpr,
                     A_SCALE: tl.constexpr, A_SR: tl.constexpr, A_H: tl.constexpr, A_HSCALE: tl.constexpr,
@@ -149,30 +163,39 @@ def _operand_kernel(t_ptr, R, C, s_r, s_c, mu_ptr,
     pid_r, pid_c = tl.program_id(0), tl.program_id(1)
     rows = pid_r * BR + tl.arange(0, BR)
     cols = pid_c * BC + tl.arange(0, BC)
-    x = load_tile(t_ptr, rows, cols, R, C, s_r, s_c, mu_ptr, HAS_MU)
+    x = load_tile(t_ptr, rows, cols, R, C, s_r, s_c, mu_ptr, HAS_MU, EVEN)
     first = (pid_r == 0) & (pid_c == 0)
     if A_ON:
-        _emit(x, rows, cols, pid_c * BC, pid_c == 0, first, a_out, a_rows, a_cols, a_stat, a_scale, a_seed, a_signs, a_side,
-              a_eb, a_flags, a_kp, BR, BC, A_BLR, A_BLC, A_GRID, A_QMAX, A_QM, A_QE, A_EMAX, A_SCALE, A_SR,
-              A_H, A_HSCALE, A_SIGNS, A_FP8, A_SHIFT, A_DMAX)
+        _emit(x, rows, cols, pid_c * BC, pid_c == 0, first, a_out, a_rows, a_cols, a_stat, a_scale, a_seed, a_signs,
+              a_side, a_eb, a_flags, a_kp, BR, BC, A_BLR, A_BLC, A_GRID, A_QMAX, A_QM, A_QE, A_EMAX, A_SCALE, A_SR,
+              A_H, A_HSCALE, A_SIGNS, A_FP8, A_SHIFT, A_DMAX, EVEN, INTERPRETED)
     if B_ON:
-        _emit(tl.trans(x), cols, rows, pid_r * BR, pid_r == 0, first, b_out, b_rows, b_cols, b_stat, b_scale, b_seed,
-              b_signs, b_side, b_eb, b_flags, b_kp, BC, BR, B_BLR, B_BLC, B_GRID, B_QMAX, B_QM, B_QE, B_EMAX,
-              B_SCALE, B_SR, B_H, B_HSCALE, B_SIGNS, B_FP8, B_SHIFT, B_DMAX)
+        _emit(tl.trans(x), cols, rows, pid_r * BR, pid_r == 0, first, b_out, b_rows, b_cols, b_stat, b_scale,
+              b_seed, b_signs, b_side, b_eb, b_flags, b_kp, BC, BR, B_BLR, B_BLC, B_GRID, B_QMAX, B_QM, B_QE,
+              B_EMAX, B_SCALE, B_SR, B_H, B_HSCALE, B_SIGNS, B_FP8, B_SHIFT, B_DMAX, EVEN, INTERPRETED)
 
 
 #: Default tile (rows of t, columns of t, warps); grown to fit blocks and Hadamard sizes.
 DEFAULT_TILE = (64, 64, 4)
 
 
-def _tile(plans, tile):
+@functools.lru_cache(maxsize=None)
+def _launch_config(plans, tile):
+    """(BR, BC, warps, operand-kernel constexprs, stats-kernel constexprs) of a pair of plans (cached)."""
     br, bc, warps = tile or DEFAULT_TILE
     a, b = plans
     if a is not None:
         br, bc = max(br, a.spec.block[0]), max(bc, a.spec.block[1], a.hadamard)
     if b is not None:
         br, bc = max(br, b.spec.block[1], b.hadamard), max(bc, b.spec.block[0])
-    return br, bc, warps
+    consts = {**_constexprs("A_", a), **_constexprs("B_", b)}
+    stat_flags = {}
+    for prefix, plan in (("A_", a), ("B_", b)):
+        stat_flags.update({f"{prefix}STAT": plan.stat if plan is not None else 0,
+                           f"{prefix}H": plan.hadamard if plan is not None else 0,
+                           f"{prefix}HSCALE": consts[f"{prefix}HSCALE"],
+                           f"{prefix}SIGNS": plan.signed if plan is not None else False})
+    return br, bc, warps, consts, stat_flags
 
 
 def _constexprs(prefix: str, plan: OperandPlan | None) -> dict:
@@ -192,12 +215,11 @@ def _constexprs(prefix: str, plan: OperandPlan | None) -> dict:
 
 def triton_operands(t: torch.Tensor, plans: tuple[OperandPlan | None, OperandPlan | None], seeds: torch.Tensor,
                     signs: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
-                    mu: torch.Tensor | None = None, tile: tuple[int, int, int] | None = None,
-                    out: tuple[Operand | None, Operand | None] | None = None) -> list[Operand | None]:
+                    mu: torch.Tensor | None = None, tile: tuple[int, int, int] | None = None) -> list[Operand | None]:
     """Operands of the 2D tensor t (any strides): plans[0] for t's rows, plans[1] for t^T's rows.
 
     seeds: int64 [2] on t's device (Philox seeds of the two orientations, used under SR); signs: the
-    Hadamard sign vectors (FP32, or None); mu: per-column mean subtracted first (mean-bias removal).
+    Hadamard sign vectors (FP32 on t's device, or None); mu: per-column mean subtracted first.
     """
     if t.dim() != 2:
         raise ValueError(f"triton_operands needs a 2D tensor, got shape {tuple(t.shape)}")
@@ -206,40 +228,32 @@ def triton_operands(t: torch.Tensor, plans: tuple[OperandPlan | None, OperandPla
             raise ValueError("OperandPlan.signed must match whether a sign vector is given")
     R, C = t.shape
     dev = t.device
-    br, bc, warps = _tile(plans, tile)
+    br, bc, warps, consts, stat_flags = _launch_config(tuple(plans), tile)
     dims = ((R, C), (C, R))
-    ops = list(out) if out is not None else [
-        empty_operand(p, *d, dev) if p is not None else None for p, d in zip(plans, dims)]
-    dummy = torch.empty(1, dtype=torch.float32, device=dev)
-    f32 = lambda v: v.to(device=dev, dtype=torch.float32).contiguous() if v is not None else dummy  # noqa: E731
-    mu_t, signs_t = f32(mu), [f32(s) for s in signs]
+    ops = [empty_operand(p, *d, dev) if p is not None else None for p, d in zip(plans, dims)]
+    even = R % br == 0 and C % bc == 0  # every tile inside t and inside both allocations: no masks
     stats = []
     for plan, (rows, k) in zip(plans, dims):  # per-row statistics cover the allocated (padded) rows
         n = 0 if plan is None or plan.stat == 0 else (plan.shape(rows, k)[0] if plan.stat == 1 else 1)
-        stats.append(torch.zeros(max(n, 1), dtype=torch.float32, device=dev))
-    consts = {**_constexprs("A_", plans[0]), **_constexprs("B_", plans[1])}
+        stats.append(torch.zeros(n, dtype=torch.float32, device=dev) if n else t)
+    mu_t = mu if mu is not None else t  # unused pointers get any valid tensor
+    signs_t = [s if s is not None else t for s in signs]
     if any(p is not None and p.stat for p in plans):
-        stat_flags = {}
-        for prefix, plan in (("A_", plans[0]), ("B_", plans[1])):
-            stat_flags.update({f"{prefix}STAT": plan.stat if plan is not None else 0,
-                               f"{prefix}H": consts[f"{prefix}H"] if plan is not None else 0,
-                               f"{prefix}HSCALE": consts[f"{prefix}HSCALE"],
-                               f"{prefix}SIGNS": consts[f"{prefix}SIGNS"] if plan is not None else False})
         _stats_kernel[(triton.cdiv(R, br), triton.cdiv(C, bc))](
             t, R, C, t.stride(0), t.stride(1), mu_t, stats[0], signs_t[0], stats[1], signs_t[1],
-            BR=br, BC=bc, HAS_MU=mu is not None, num_warps=warps, **stat_flags)
-    args = []
-    for plan, op, stat, s, seed_i, (rows, k) in zip(plans, ops, stats, signs_t, (0, 1), dims):
+            BR=br, BC=bc, HAS_MU=mu is not None, EVEN=even, num_warps=warps, **stat_flags)
+    args, cover = [], [0, 0]
+    for i, (plan, op, stat, s, (rows, k)) in enumerate(zip(plans, ops, stats, signs_t, dims)):
         if plan is None:
-            args += [dummy, 0, 0, dummy, dummy, seeds, dummy, dummy, dummy, dummy, 0]
+            args += [t, 0, 0, t, t, seeds, t, t, t, t, 0]
             continue
         r_alloc, k_alloc = op.data.shape
-        side, eb, flags = (op.side.view(torch.uint8), op.eb, op.flags) if plan.form == "fp8" else (dummy,) * 3
-        data = op.data.view(torch.uint8) if plan.form == "fp8" else op.data  # FP8 written as bits (NaN = 0x7F)
-        args += [data, r_alloc, k_alloc, stat, op.scale, seeds[seed_i:], s, side, eb, flags, plan.k_padded(k)]
-    cover_r = max([ops[0].data.shape[0] if ops[0] is not None else 0, ops[1].data.shape[1] if ops[1] is not None else 0])
-    cover_c = max([ops[0].data.shape[1] if ops[0] is not None else 0, ops[1].data.shape[0] if ops[1] is not None else 0])
-    _operand_kernel[(triton.cdiv(cover_r, br), triton.cdiv(cover_c, bc))](
-        t, R, C, t.stride(0), t.stride(1), mu_t, *args, BR=br, BC=bc, HAS_MU=mu is not None, num_warps=warps,
-        **consts)
+        cover[i], cover[1 - i] = max(cover[i], r_alloc), max(cover[1 - i], k_alloc)
+        fp8 = plan.form == "fp8"
+        data = op.data.view(torch.uint8) if fp8 else op.data  # FP8 written as bits (NaN = 0x7F)
+        side, eb, flags = (op.side.view(torch.uint8), op.eb, op.flags) if fp8 else (t, t, t)
+        args += [data, r_alloc, k_alloc, stat, op.scale, seeds[i:], s, side, eb, flags, plan.k_padded(k)]
+    _operand_kernel[(triton.cdiv(cover[0], br), triton.cdiv(cover[1], bc))](
+        t, R, C, t.stride(0), t.stride(1), mu_t, *args, BR=br, BC=bc, HAS_MU=mu is not None, EVEN=even,
+        INTERPRETED=dev.type == "cpu", num_warps=warps, **consts)
     return ops

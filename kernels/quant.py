@@ -24,21 +24,27 @@ from hf_fp4.quantize import NonFiniteError, QuantizedTensor
 from hf_fp4.scales import ScaleRule
 from hf_fp4.spec import NonFinite, QuantSpec, Rounding
 
-from .numerics import (block_max, e8m0_exponent, expand_blocks, grid_code, grid_constants, hadamard, pow2,
+from .numerics import (block_any, block_max, e8m0_exponent, expand_blocks, grid_code, grid_constants, hadamard, pow2,
                        round_grid, sr_uniforms, tensor_encode_scale, ue4m3_block_scale)
 
 SCALE_CODES = {ScaleRule.E8M0_FLOOR: 0, ScaleRule.E8M0_CEIL: 1, ScaleRule.UE4M3_FP32: 2, ScaleRule.FP32: 3}
 
 
 @triton.jit
-def load_tile(x_ptr, rows, cols, M, K, stride_m, stride_k, mu_ptr, HAS_MU: tl.constexpr):
-    """A [rows, cols] tile of a strided matrix in FP32, zero outside [M, K]; minus mu[cols] if given."""
-    inside = (rows[:, None] < M) & (cols[None, :] < K)
-    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_m + cols[None, :].to(tl.int64) * stride_k,
-                mask=inside, other=0.0).to(tl.float32)
-    if HAS_MU:
-        mu = tl.load(mu_ptr + cols, mask=cols < K, other=0.0)
-        x = tl.where(inside, x - mu[None, :], 0.0)
+def load_tile(x_ptr, rows, cols, M, K, stride_m, stride_k, mu_ptr, HAS_MU: tl.constexpr, EVEN: tl.constexpr = False):
+    """A [rows, cols] tile of a strided matrix in FP32, zero outside [M, K]; minus mu[cols] if given.
+    EVEN: the tile lies inside the matrix (no masks)."""
+    ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_m + cols[None, :].to(tl.int64) * stride_k
+    if EVEN:
+        x = tl.load(ptrs).to(tl.float32)
+        if HAS_MU:
+            x = x - tl.load(mu_ptr + cols)[None, :]
+    else:
+        inside = (rows[:, None] < M) & (cols[None, :] < K)
+        x = tl.load(ptrs, mask=inside, other=0.0).to(tl.float32)
+        if HAS_MU:
+            mu = tl.load(mu_ptr + cols, mask=cols < K, other=0.0)
+            x = tl.where(inside, x - mu[None, :], 0.0)
     return x
 
 
@@ -76,7 +82,7 @@ def _quantize_kernel(x_ptr, codes_ptr, scales_ptr, stat_ptr, mu_ptr, signs_ptr, 
     else:  # FP32
         stored = tl.math.div_rn(amax, QMAX)
         encode = tl.where(stored > 0, tl.math.div_rn(tl.full(stored.shape, 1.0, tl.float32), stored), 0.0)
-    bad_block = block_max(bad.to(tl.int32), BM, BK, BR, BC) > 0
+    bad_block = block_any(bad.to(tl.int32), BM, BK, BR, BC) > 0
     scaled = x * expand_blocks(encode, BM, BK, BR, BC)
     m = tl.abs(scaled)
     if STOCHASTIC:

@@ -34,7 +34,8 @@ CASES = {
     "mxfp4-dual": (plan("mxfp4", "fp8"), plan("mxfp4", "fp8")),
     "nvfp4-dual": (plan("nvfp4", "bf16"), plan("nvfp4", "bf16")),
     "mxfp4-T": (None, plan("mxfp4", "fp8")), "nvfp4-sr": (plan("nvfp4", "bf16", sr=True), None),
-    "ufp4-h16": (plan("ufp4", "bf16", 16), None),
+    "ufp4-h16": (plan("ufp4", "bf16", 16), None), "nvfp4-T": (None, plan("nvfp4", "bf16")),
+    "ufp4-dualH": (plan("ufp4", "bf16", 16), plan("ufp4", "bf16", 16, sr=True)),
 }
 
 
@@ -67,6 +68,8 @@ def main():
     p.add_argument("--n", type=int, default=8192)
     p.add_argument("--only-operand", default=None)
     p.add_argument("--linear", default="mxfp4,nvfp4")
+    p.add_argument("--sweep", action="store_true", help="graph-replay times of the operand kernel per tile")
+    p.add_argument("--cprofile", action="store_true", help="host-side profile of one operands() call")
     args = p.parse_args()
     dev = "cuda"
     x = torch.randn(args.n, args.n, device=dev, dtype=torch.bfloat16)
@@ -80,6 +83,21 @@ def main():
     if args.only_operand:
         call(CASES[args.only_operand])()
         torch.cuda.synchronize()
+        return
+    if args.sweep:
+        sweep(x, seeds, sign)
+        return
+    if args.cprofile:
+        import cProfile
+        import pstats
+        f = call(CASES["mxfp4-dual"])
+        for _ in range(5):
+            f()
+        torch.cuda.synchronize()
+        with cProfile.Profile() as prof:
+            for _ in range(50):
+                f()
+        pstats.Stats(prof).sort_stats("cumulative").print_stats(25)
         return
     copy = event_ms(lambda: x.clone())
     print(f"copy {copy:.4f} ms")
@@ -105,6 +123,31 @@ def main():
                 step()
             torch.cuda.synchronize()
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+
+
+def sweep(x, seeds, sign):
+    """Kernel time (CUDA-graph replay) of the operand kernels per tile, and the transpose-copy alternative."""
+    from hf_fp4.kernels.operand import triton_operands
+
+    tiles = [(64, 64, 4), (32, 64, 2), (64, 64, 2), (32, 32, 1), (32, 64, 1), (64, 128, 4), (128, 64, 4),
+             (128, 64, 8), (64, 32, 2), (128, 32, 4)]
+    copy = graph_ms(lambda: x.clone())
+    print(f"copy {copy:.4f} ms (graph)")
+    for name in ("mxfp4", "nvfp4", "mxfp4-T", "nvfp4-T", "mxfp4-dual", "nvfp4-dual", "ufp4-h16", "nvfp4-sr",
+                 "ufp4-dualH"):
+        plans = CASES[name]
+        s = tuple(sign if p is not None and p.hadamard else None for p in plans)
+        row = []
+        for tile in tiles:
+            try:
+                ms = graph_ms(lambda: triton_operands(x, plans, seeds, s, tile=tile))
+                row.append(f"{tile[0]}x{tile[1]}w{tile[2]}={ms:.4f}")
+            except Exception as err:  # noqa: BLE001 - a tile the compiler cannot fit
+                row.append(f"{tile[0]}x{tile[1]}w{tile[2]}=ERR({type(err).__name__})")
+        if plans[0] is None:  # transpose copy, then the row kernel
+            ms = graph_ms(lambda: triton_operands(x.t().contiguous(), (plans[1], None), seeds, (s[1], None)))
+            row.append(f"copyT+A={ms:.4f}")
+        print(name, " ".join(row), flush=True)
 
 
 if __name__ == "__main__":
