@@ -175,15 +175,18 @@ def _operand_kernel(t_ptr, R, C, s_r, s_c, mu_ptr,
               B_EMAX, B_SCALE, B_SR, B_H, B_HSCALE, B_SIGNS, B_FP8, B_SHIFT, B_DMAX, EVEN, INTERPRETED)
 
 
-#: Default tile (rows of t, columns of t, warps); grown to fit blocks and Hadamard sizes.
-DEFAULT_TILE = (64, 64, 4)
+#: Tiles (rows of t, columns of t, warps) by which orientations are made, grown to fit blocks and Hadamard
+#: sizes.  Measured on the H200 (scripts/profile_fast_path.py --sweep, CUDA-graph replay, 8192^2 bf16;
+#: benchmarks/results-2026-12-01.md): rows only 64x128x4; the transposed orientation (through a register
+#: transpose) and both at once 32x64x2 -- wider tiles or more warps spread a block over warps.
+TILES = {"rows": (64, 128, 4), "cols": (32, 64, 2), "both": (32, 64, 2)}
 
 
 @functools.lru_cache(maxsize=None)
 def _launch_config(plans, tile):
     """(BR, BC, warps, operand-kernel constexprs, stats-kernel constexprs) of a pair of plans (cached)."""
-    br, bc, warps = tile or DEFAULT_TILE
     a, b = plans
+    br, bc, warps = tile or TILES["both" if a is not None and b is not None else "rows" if a is not None else "cols"]
     if a is not None:
         br, bc = max(br, a.spec.block[0]), max(bc, a.spec.block[1], a.hadamard)
     if b is not None:
@@ -236,8 +239,8 @@ def triton_operands(t: torch.Tensor, plans: tuple[OperandPlan | None, OperandPla
     for plan, (rows, k) in zip(plans, dims):  # per-row statistics cover the allocated (padded) rows
         n = 0 if plan is None or plan.stat == 0 else (plan.shape(rows, k)[0] if plan.stat == 1 else 1)
         stats.append(torch.zeros(n, dtype=torch.float32, device=dev) if n else t)
-    mu_t = mu if mu is not None else t  # unused pointers get any valid tensor
-    signs_t = [s if s is not None else t for s in signs]
+    mu_t = mu.to(torch.float32) if mu is not None else t  # unused pointers get any valid tensor
+    signs_t = [s.to(device=dev, dtype=torch.float32) if s is not None else t for s in signs]
     if any(p is not None and p.stat for p in plans):
         _stats_kernel[(triton.cdiv(R, br), triton.cdiv(C, bc))](
             t, R, C, t.stride(0), t.stride(1), mu_t, stats[0], signs_t[0], stats[1], signs_t[1],

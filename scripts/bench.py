@@ -213,10 +213,14 @@ def linear_impls(k, n, dev, names):
                 yield name, torch.compile(m)
         elif name == "emulation_compiled":
             yield name, torch.compile(swap_to_emulation(nn.Sequential(base())))
+        elif name == "bf16_graphs":
+            yield name, torch.compile(base(), mode="reduce-overhead")
         else:
             recipe, _, mode = name.removeprefix("hf_fp4:").partition(":")
             layer = FP4Linear.from_linear(base(), preset(recipe).linear, name="bench")
-            yield name, torch.compile(layer) if mode == "compiled" else layer
+            if mode:
+                layer = torch.compile(layer, mode="reduce-overhead" if mode == "graphs" else "default")
+            yield name, layer
 
 
 def bench_linear(dev, tokens, shapes, results, names):
@@ -336,6 +340,7 @@ def main():
     parts = args.parts.split(",")
     lin_names = ["bf16", "bf16_compiled", "torchao_fp8_tensorwise", "torchao_fp8_rowwise", "emulation_compiled"]
     lin_names += [f"hf_fp4:{p}" for p in FP4_PRESETS] + [f"hf_fp4:{p}:compiled" for p in FP4_PRESETS]
+    lin_names += ["bf16_graphs"] + [f"hf_fp4:{p}:graphs" for p in FP4_PRESETS]
     e2e_names = ["bf16", "bf16_compiled", "torchao_fp8_tensorwise:compiled", "torchao_fp8_rowwise:compiled",
                  "emulation_compiled"] + [f"hf_fp4:{p}:compiled" for p in FP4_PRESETS]
     if args.impls:
