@@ -37,12 +37,15 @@ LLAMA_1B = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16, 
 
 # ----------------------------------------------------------------------------------------------
 # Timing
-def timed(fn, inputs, warmup=3, reps=10):
-    """Median milliseconds of fn(*inputs[i % len(inputs)]) (CUDA events on GPU)."""
+def timed(fn, inputs, warmup=3, reps=10, graphs=False):
+    """Median milliseconds of fn(*inputs[i % len(inputs)]) (CUDA events on GPU).  graphs: fn runs
+    torch.compile(mode="reduce-overhead") code, so each call starts a new CUDA-graph step."""
     cuda = torch.cuda.is_available()
     times = []
     for i in range(warmup + reps):
         args = inputs[i % len(inputs)]
+        if graphs:
+            torch.compiler.cudagraph_mark_step_begin()
         if cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -129,13 +132,32 @@ def torchao_float8(module: nn.Module, recipe: str) -> nn.Module | None:
 
 
 # ----------------------------------------------------------------------------------------------
+def graph_ms(fn, inputs, reps=20):
+    """GPU time of fn: the median replay of a captured CUDA graph per input (launch overhead excluded;
+    the eager path's host overhead is what torch.compile's CUDA graphs remove in training)."""
+    if not torch.cuda.is_available():
+        return timed(fn, inputs)
+    graphs = []
+    for args in inputs:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            fn(*args)
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn(*args)
+        graphs.append((g,))
+    return timed(lambda g: g.replay(), graphs, reps=reps)
+
+
 def bench_quant(dev, n, results):
     """Operand quantization of an n x n bf16 tensor, against a device copy and torchao's to_mx."""
     from hf_fp4.operands import OperandPlan, operands
     from hf_fp4.kernels.quant import triton_quantize
 
     inputs = [(torch.randn(n, n, device=dev, dtype=torch.bfloat16),) for _ in range(3)]
-    copy_ms = timed(lambda x: x.clone(), inputs)
+    copy_ms = graph_ms(lambda x: x.clone(), inputs)
     copy_gbs = 4 * n * n / copy_ms / 1e6
     rows = [("copy", copy_ms, 4 * n * n)]
     try:
@@ -144,7 +166,8 @@ def bench_quant(dev, n, results):
         for label, elem in (("torchao_to_mx_compiled:mxfp8", torch.float8_e4m3fn),
                             ("torchao_to_mx_compiled:mxfp4", torch.float4_e2m1fn_x2)):
             f = torch.compile(lambda x, e=elem: to_mx(x, e, 32))
-            rows.append((label, timed(f, inputs), n * n * (2 + (1 if elem == torch.float8_e4m3fn else 0.5))))
+            f(*inputs[0])  # compile outside the graph capture
+            rows.append((label, graph_ms(f, inputs), n * n * (2 + (1 if elem == torch.float8_e4m3fn else 0.5))))
     except Exception as err:  # noqa: BLE001
         print(f"torchao to_mx unavailable: {err}")
     seeds = torch.tensor([1, 2], device=dev)
@@ -178,12 +201,12 @@ def bench_quant(dev, n, results):
     for label, plans in cases:
         s = tuple(hf_fp4.seeded_signs(p.hadamard, 0).to(dev) if p is not None and p.hadamard else None
                   for p in plans)
-        ms = timed(lambda x, p=plans, s=s: operands(x, p, seeds, s), inputs)
+        ms = graph_ms(lambda x, p=plans, s=s: operands(x, p, seeds, s), inputs)
         written = sum(out_bytes[p.form] for p in plans if p is not None)
         rows.append((f"hf_fp4:{label}", ms, n * n * (2 + written)))
-    for name in ("mxfp4", "nvfp4"):  # packed codes + scales (export path)
-        spec = QuantSpec.preset(name)
-        ms = timed(lambda x, s=spec: triton_quantize(x, s), inputs)
+    for name in ("mxfp4", "nvfp4"):  # packed codes + scales (export path; "propagate": no host check)
+        spec = dataclasses.replace(QuantSpec.preset(name), nonfinite="propagate")
+        ms = graph_ms(lambda x, s=spec: triton_quantize(x, s), inputs)
         rows.append((f"hf_fp4:{name} packed codes", ms, n * n * (2 + spec.bits_per_value / 8)))
     del signs
     table = []
@@ -192,8 +215,8 @@ def bench_quant(dev, n, results):
         results["quant"].append({"tensor": f"{n}x{n}", "impl": label, "ms": round(ms, 4),
                                  "gb_per_s": round(gbs, 1), "of_copy_bw": round(gbs / copy_gbs, 3)})
         table.append([label, f"{ms:.3f}", f"{gbs:.0f}", f"{gbs / copy_gbs:.0%}"])
-    return md_table(f"Operand quantization of a {n}x{n} bf16 tensor (bytes read once + written; % of the "
-                    "device copy's bytes/s)", ["impl", "ms", "GB/s", "% of copy"], table)
+    return md_table(f"Operand quantization of a {n}x{n} bf16 tensor, GPU time (CUDA-graph replay; bytes read "
+                    "once + written; % of the device copy's bytes/s)", ["impl", "ms", "GB/s", "% of copy"], table)
 
 
 def linear_impls(k, n, dev, names):
@@ -232,7 +255,7 @@ def bench_linear(dev, tokens, shapes, results, names):
         for name, layer in linear_impls(k, n, dev, names):
             def step(x, dy, layer=layer):
                 layer(x).backward(dy)
-            ms = timed(step, inputs, warmup=3, reps=20)
+            ms = timed(step, inputs, warmup=3, reps=20, graphs=name.endswith("graphs"))
             base_ms = base_ms or ms
             results["linear"].append({"shape": f"{k}x{n}", "tokens": tokens, "impl": name, "ms": round(ms, 4)})
             row.append(f"{ms:.2f} ({base_ms / ms:.2f}x)")
@@ -342,7 +365,8 @@ def main():
     lin_names += [f"hf_fp4:{p}" for p in FP4_PRESETS] + [f"hf_fp4:{p}:compiled" for p in FP4_PRESETS]
     lin_names += ["bf16_graphs"] + [f"hf_fp4:{p}:graphs" for p in FP4_PRESETS]
     e2e_names = ["bf16", "bf16_compiled", "torchao_fp8_tensorwise:compiled", "torchao_fp8_rowwise:compiled",
-                 "emulation_compiled"] + [f"hf_fp4:{p}:compiled" for p in FP4_PRESETS]
+                 "emulation_compiled"] + [f"hf_fp4:{p}" for p in FP4_PRESETS] + [
+                 f"hf_fp4:{p}:compiled" for p in FP4_PRESETS]
     if args.impls:
         keep = set(args.impls.split(","))
         lin_names = [n for n in lin_names if n in keep]
@@ -355,20 +379,24 @@ def main():
         sizes = dict(n=8192, tokens=8192, shapes=[(4096, 4096), (4096, 14336), (14336, 4096)], steps=10, batch=4,
                      seq=2048, e2e=LLAMA_1B)
     text = []
+    stem = out / f"results-{date}{'-quick' if args.quick else ''}-{'-'.join(parts)}"
     if "quant" in parts:
         text.append(bench_quant(dev, sizes["n"], results))
+        write(results, stem, "\n".join(text))
     if "linear" in parts:
         text.append(bench_linear(dev, sizes["tokens"], sizes["shapes"], results, lin_names))
+        write(results, stem, "\n".join(text))
     if "e2e" in parts:
         text.append(bench_e2e(dev, "llama-1.1b", sizes["e2e"], sizes["batch"], sizes["seq"], sizes["steps"],
                               results, e2e_names))
+        write(results, stem, "\n".join(text))
     if "e2e50m" in parts:
         model_cfg, cfg = bench50m_model()
         kwargs = {k: v for k, v in model_cfg.items() if k != "model_type"}
         kwargs["vocab_size"] = int(cfg["vocab_size"])
         seq, batch = int(cfg["seq_len"]), int(cfg["batch_size"])
         text.append(bench_e2e(dev, "bench-50m", kwargs, batch, seq, sizes["steps"] * 2, results, e2e_names))
-    write(results, out / f"results-{date}{'-quick' if args.quick else ''}-{'-'.join(parts)}", "\n".join(text))
+    write(results, stem, "\n".join(text))
 
 
 def merge(paths):
