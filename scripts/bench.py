@@ -255,6 +255,9 @@ def bench_linear(dev, tokens, shapes, results, names):
         for name, layer in linear_impls(k, n, dev, names):
             def step(x, dy, layer=layer):
                 layer(x).backward(dy)
+                x.grad = None  # gradients are not accumulated (CUDA-graph outputs are reused memory)
+                for p in layer.parameters():
+                    p.grad = None
             ms = timed(step, inputs, warmup=3, reps=20, graphs=name.endswith("graphs"))
             base_ms = base_ms or ms
             results["linear"].append({"shape": f"{k}x{n}", "tokens": tokens, "impl": name, "ms": round(ms, 4)})
