@@ -226,6 +226,7 @@ def linear_impls(k, n, dev, names):
         return nn.Linear(k, n, bias=False, device=dev, dtype=torch.bfloat16)
 
     for name in names:
+        torch._dynamo.reset()  # every compiled impl starts fresh (no recompile limit across impls)
         if name == "bf16":
             yield name, base()
         elif name == "bf16_compiled":
@@ -293,6 +294,7 @@ def build_model(name, cfg_kwargs, dev):
 def bench_e2e(dev, label, cfg_kwargs, batch, seq, steps, results, names):
     table, base = [], None
     for name in names:
+        torch._dynamo.reset()
         model, cfg = build_model(name, cfg_kwargs, dev)
         if model is None:
             continue
