@@ -350,7 +350,7 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     if args.merge:
         results = merge(args.merge)
-        write(results, out / f"results-{date}", "")
+        write(results, out / f"results-{results.get('date', date)}", render(results))
         return
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     import transformers
@@ -415,6 +415,30 @@ def merge(paths):
         for part in ("quant", "linear", "e2e"):
             results[part] += data.get(part, [])
     return results
+
+
+def render(results) -> str:
+    """Markdown tables of a results dict (used when merging the JSON of several runs)."""
+    text = []
+    if results["quant"]:
+        rows = [[q["impl"], f"{q['ms']:.3f}", f"{q['gb_per_s']:.0f}", f"{q['of_copy_bw']:.0%}"] for q in results["quant"]]
+        text.append(md_table(f"Operand quantization of a {results['quant'][0]['tensor']} bf16 tensor, GPU time "
+                             "(CUDA-graph replay; bytes read once + written; % of the device copy's bytes/s)",
+                             ["impl", "ms", "GB/s", "% of copy"], rows))
+    if results["linear"]:
+        impls = list(dict.fromkeys(r["impl"] for r in results["linear"]))
+        rows = []
+        for shape in dict.fromkeys(r["shape"] for r in results["linear"]):
+            ms = {r["impl"]: r["ms"] for r in results["linear"] if r["shape"] == shape}
+            rows.append([shape] + [f"{ms[i]:.2f} ({ms['bf16'] / ms[i]:.2f}x)" if i in ms else "-" for i in impls])
+        text.append(md_table(f"Linear forward + backward, {results['linear'][0]['tokens']} tokens, bf16 "
+                             "(ms; speed vs bf16 nn.Linear)", ["K x N"] + impls, rows))
+    for model in dict.fromkeys(r["model"] for r in results["e2e"]):
+        runs = [r for r in results["e2e"] if r["model"] == model]
+        base = next((r["tokens_per_s"] for r in runs if r["impl"] == "bf16"), runs[0]["tokens_per_s"])
+        rows = [[r["impl"], f"{r['tokens_per_s']:,}", f"{r['tokens_per_s'] / base:.2f}x"] for r in runs]
+        text.append(md_table(f"End-to-end train step, {model}", ["impl", "tokens/s", "vs bf16"], rows))
+    return "\n".join(text)
 
 
 def write(results, stem: Path, text: str):
