@@ -41,6 +41,9 @@ class TrainConfig:
     grad_clip: float = 1.0
     seed: int = 0
     mixed_precision: str = "auto"                 # auto (bf16 on GPU, no on CPU) | bf16 | no
+    compile: Any = "auto"                         # torch.compile each decoder block: auto (on GPU) | true | false
+    compile_mode: str = "default"                 # default | reduce-overhead (CUDA graphs) | max-autotune-no-cudagraphs
+    compile_backend: str = "inductor"             # inductor | aot_eager (debugging: same numerics as eager)
     # bookkeeping
     output_dir: str = "runs/default"
     eval_every: int = 50
@@ -57,10 +60,14 @@ class TrainConfig:
     def validate(self) -> None:
         if self.recipe not in PRESET_NAMES:
             raise ValueError(f"recipe={self.recipe!r}: unknown; valid presets: {', '.join(PRESET_NAMES)}")
-        choices = {"schedule": ("cosine", "wsd", "constant"), "mixed_precision": ("auto", "bf16", "no")}
+        choices = {"schedule": ("cosine", "wsd", "constant"), "mixed_precision": ("auto", "bf16", "no"),
+                   "compile": ("auto", True, False),
+                   "compile_mode": ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune"),
+                   "compile_backend": ("inductor", "aot_eager", "eager")}
         for key, valid in choices.items():
             if getattr(self, key) not in valid:
-                raise ValueError(f"{key}={getattr(self, key)!r}: valid values are {', '.join(valid)}")
+                raise ValueError(f"{key}={getattr(self, key)!r}: valid values are "
+                                 f"{', '.join(str(v).lower() for v in valid)}")
         positive = ("seq_len", "batch_size", "grad_accum", "max_steps", "eval_every", "eval_batches",
                     "log_every", "checkpoint_every", "keep_checkpoints", "max_bad_steps", "vocab_size")
         for key in positive:
