@@ -64,17 +64,16 @@ def round_float_grid(m, u, EMIN: tl.constexpr, MBITS: tl.constexpr, QMAX: tl.con
 
 
 @triton.jit
-def _rne_step(m, MAGIC: tl.constexpr):
-    """Round m to the nearest multiple of MAGIC / (1.5 * 2^23), ties to the even multiple."""
-    return (m + MAGIC) - MAGIC
-
-
-@triton.jit
-def _sr_step(m, u, INV: tl.constexpr, STEP: tl.constexpr):
-    """Stochastic rounding to multiples of STEP = 1 / INV (a power of two: every product is exact)."""
-    v = m * INV
-    lo = tl.floor(v)
-    return tl.where(u < v - lo, lo + 1.0, lo) * STEP
+def _round_uniform(m, u, STEP: tl.constexpr, QMAX: tl.constexpr, STOCHASTIC: tl.constexpr):
+    """A uniform grid (step a power of two, max QMAX): RNE by adding and subtracting 1.5 * 2^23 * STEP
+    (the FP32 sum rounds to a multiple of the step, ties to even), or SR against floor(m / STEP)."""
+    if STOCHASTIC:
+        v = m * (1.0 / STEP)
+        lo = tl.floor(v)
+        q = tl.where(u < v - lo, lo + 1.0, lo) * STEP
+    else:
+        q = (m + 12582912.0 * STEP) - 12582912.0 * STEP
+    return tl.minimum(q, QMAX)
 
 
 @triton.jit
@@ -91,17 +90,9 @@ def round_grid(m, u, GRID: tl.constexpr, STOCHASTIC: tl.constexpr):
             q = (m + magic) - magic
         q = tl.minimum(q, 6.0)
     elif GRID == 1:  # E1M2: step 0.25 up to 1.75
-        if STOCHASTIC:
-            q = _sr_step(m, u, 4.0, 0.25)
-        else:
-            q = _rne_step(m, 3145728.0)
-        q = tl.minimum(q, 1.75)
+        q = _round_uniform(m, u, 0.25, 1.75, STOCHASTIC)
     elif GRID == 2:  # INT4: step 1 up to 7
-        if STOCHASTIC:
-            q = _sr_step(m, u, 1.0, 1.0)
-        else:
-            q = _rne_step(m, 12582912.0)
-        q = tl.minimum(q, 7.0)
+        q = _round_uniform(m, u, 1.0, 7.0, STOCHASTIC)
     else:  # E4M3
         q = round_float_grid(m, u, -6, 3, 448.0, STOCHASTIC)
     return q
