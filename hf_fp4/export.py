@@ -152,7 +152,10 @@ def export_compressed_tensors(model, tokenizer, output, overwrite=False) -> Path
     qc = QuantizationConfig(config_groups={"group_0": scheme}, format="nvfp4-pack-quantized",
                             quantization_status="compressed", ignore=sorted(ignore))
     cfg = _plain_config(model)
-    cfg["quantization_config"] = json.loads(qc.model_dump_json())
+    # dequantize: transformers expands the NVFP4 weights at load time, in the model's dtype.  Left compressed,
+    # compressed-tensors decompresses them in BF16 at every forward, which fails for a float32 model (the
+    # default load).  vLLM reads the scheme and ignores the flag.
+    cfg["quantization_config"] = {**json.loads(qc.model_dump_json()), "dequantize": True}
     return write_dir_atomically(output, overwrite, lambda p: _save_common(model, tokenizer, cfg, state, p))
 
 
