@@ -6,6 +6,8 @@ from pathlib import Path
 
 import yaml
 
+from .extras import require
+
 
 def load_run(run_dir: str | Path) -> dict:
     run_dir = Path(run_dir)
@@ -38,7 +40,8 @@ def comparison_table(runs: list[dict]) -> str:
 
 
 def plot_runs(runs: list[dict], path: str | Path) -> None:
-    import matplotlib
+    """Train and validation loss curves of runs, as a PNG (needs the 'plot' extra)."""
+    matplotlib = require("matplotlib", "plot", "plotting loss curves")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

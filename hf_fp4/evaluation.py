@@ -16,6 +16,8 @@ import torch
 from .evaldata import PREFIX, build_tasks, heldout_corpus_texts, resolve_tasks
 from .integration import FP4TrainConfig, apply_fp4_config
 
+from .extras import require
+
 
 def load_model(model_dir: str, gguf_file: str | None = None, dtype: torch.dtype = torch.float32):
     """A causal LM and its tokenizer from an HF directory (hf_fp4 checkpoints included) or a GGUF file."""
@@ -25,6 +27,8 @@ def load_model(model_dir: str, gguf_file: str | None = None, dtype: torch.dtype 
     if not path.exists():
         raise FileNotFoundError(f"model directory {model_dir} not found")
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    if gguf_file:
+        require("gguf", "eval", "reading a GGUF file")
     if not gguf_file and not (path / "config.json").exists():
         raise FileNotFoundError(f"{model_dir} has no config.json: not a Hugging Face model directory "
                                 "(for a GGUF file pass --gguf FILE)")
@@ -57,7 +61,7 @@ def post_training_quantize(model, preset: str, hadamard: str = "none", hadamard_
 
 def run_lm_eval(model, tokenizer, tasks: list[str], limit: int | None = None, batch_size: str | int = "auto",
                 hub_tasks: bool = False) -> dict[str, dict[str, float]]:
-    import lm_eval
+    lm_eval = require("lm_eval", "eval", "running lm-eval tasks (scripts/evaluate.py)")
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 

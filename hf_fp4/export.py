@@ -28,6 +28,7 @@ from safetensors.torch import save_file
 from .convert import fp4_modules
 from .formats import Grid
 from .integration import FP4TrainConfig
+from .extras import require
 from .scales import ScaleRule
 
 FORMATS = ("fp4", "bf16", "compressed-tensors")
@@ -130,6 +131,7 @@ def check_compressed_tensors(model) -> None:
 
 
 def export_compressed_tensors(model, tokenizer, output, overwrite=False) -> Path:
+    require("compressed_tensors", "eval", "--format compressed-tensors")
     from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
 
     check_compressed_tensors(model)

@@ -25,6 +25,7 @@ import yaml
 
 from .convert import fp4_modules, load_rng_state_dict, maybe_refresh_lora_svd, rng_state_dict
 from .data import TokenWindows, atomic_write_text, fingerprint, prepare_data
+from .extras import optional
 from .integration import FP4TrainConfig
 from .quantize import NonFiniteError
 from .train_config import TrainConfig
@@ -215,16 +216,10 @@ def rewrite_metrics(path: Path, up_to_step: int) -> None:
 
 
 def available_trackers(names: list[str]) -> list[str]:
-    import importlib.util
-
-    ok = []
-    for name in names:
-        module = {"tensorboard": "tensorboard", "wandb": "wandb"}.get(name, name)
-        if importlib.util.find_spec(module) is not None:
-            ok.append(name)
-        else:
-            print(f"hf_fp4: tracker {name!r} not installed; metrics still go to metrics.jsonl")
-    return ok
+    """The trackers that can run; each missing one is skipped with a note (metrics.jsonl is always written)."""
+    extras = {"tensorboard": "tensorboard"}  # others (wandb, ...) are plain packages
+    return [name for name in names
+            if optional(name, extras.get(name), f"logging to {name} (metrics still go to metrics.jsonl)")]
 
 
 def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
@@ -348,10 +343,45 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> di
         if state.step % cfg.checkpoint_every == 0:
             save_checkpoint(accelerator, run_dir, state.step, cfg)
     bar.close()
-    export_final(accelerator, model, data.tokenizer, run_dir, cfg)
+    final = export_final(accelerator, model, data.tokenizer, run_dir, cfg)
     if trackers:
         accelerator.end_training()
+    if accelerator.is_main_process:
+        sample = None
+        if world == 1:  # a sharded model would need a gather to generate
+            sample = greedy_sample(accelerator.unwrap_model(model), data.tokenizer,
+                                   val_windows.batch(0, 1)[0, :8], accelerator.device)
+        print(run_summary(run_dir, final, record, sample))
     return record
+
+
+def greedy_sample(model, tokenizer, prompt: torch.Tensor, device, new_tokens: int = 32) -> str:
+    """A short greedy continuation of a validation prompt by the final model (eager: no recompilation)."""
+    model.eval()
+    with torch.no_grad(), torch.compiler.set_stance("force_eager"), torch.autocast(
+            device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        ids = model.generate(prompt[None].to(device), max_new_tokens=new_tokens, do_sample=False,
+                             pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id or 0)
+    model.train()
+    return tokenizer.decode(ids[0], skip_special_tokens=True)
+
+
+def run_summary(run_dir: Path, final: Path, record: dict, sample: str | None) -> str:
+    """What a finished run leaves behind, for a person: where everything is, the curve, a sample of text."""
+    lines = [f"hf_fp4: done, step {record.get('step')}"
+             + (f", validation loss {record['val_loss']:.4f}" if record.get("val_loss") is not None else ""),
+             f"  metrics      {run_dir / 'metrics.jsonl'}"]
+    if optional("matplotlib", "plot", "the loss-curve PNG"):
+        from .compare import load_run, plot_runs
+        plot_runs([load_run(run_dir)], run_dir / "loss_curve.png")
+        lines.append(f"  loss curve   {run_dir / 'loss_curve.png'}")
+    checkpoints = sorted((run_dir / "checkpoints").glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
+    if checkpoints:
+        lines.append(f"  checkpoints  {run_dir / 'checkpoints'} (newest {checkpoints[-1].name}; --resume continues)")
+    lines.append(f"  final model  {final} (scripts/export.py --model {final} ...)")
+    if sample is not None:
+        lines.append(f"  sample       {sample!r} (greedy, from a validation prompt)")
+    return "\n".join(lines)
 
 
 class _nullcontext:

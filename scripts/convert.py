@@ -49,7 +49,7 @@ def main(argv=None):
         else:
             post_training_quantize(model, args.recipe, args.hadamard or "none", args.hadamard_size)
             out = export_fp4(model, tok, args.output, args.overwrite)
-    except (ValueError, FileNotFoundError, FileExistsError) as err:
+    except (ValueError, FileNotFoundError, FileExistsError, ImportError) as err:
         p.exit(2, f"error: {err}\n")
     print(f"{args.mode}: {args.recipe} -> {out}")
 

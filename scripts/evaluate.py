@@ -37,7 +37,7 @@ def main(argv=None):
             model.cuda()
         bs = int(args.batch_size) if args.batch_size.isdigit() else args.batch_size
         results = run_lm_eval(model, tok, args.tasks.split(","), args.limit, bs, args.hub_tasks)
-    except (FileNotFoundError, ValueError) as err:
+    except (FileNotFoundError, ValueError, ImportError) as err:
         p.exit(2, f"error: {err}\n")
     name = args.quantize + ("+H" if args.hadamard != "none" else "") if args.quantize else "model"
     write_results(args.output, results, {"name": name, "model": args.model, "quantize": args.quantize,

@@ -27,7 +27,7 @@ def main(argv=None):
         if not args.no_card:
             from hf_fp4.model_card import write_model_card
             write_model_card(args.output, args.model, args.format, args.eval_results)
-    except (ValueError, FileNotFoundError, FileExistsError) as err:
+    except (ValueError, FileNotFoundError, FileExistsError, ImportError) as err:
         p.exit(2, f"error: {err}\n")
     print(f"{report['format']}: {report['bytes'] / 1e6:.2f} MB ({report['ratio_vs_bf16']:.3f} of BF16's "
           f"{report['bf16_bytes'] / 1e6:.2f} MB); converted linear layers: "

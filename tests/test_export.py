@@ -237,3 +237,16 @@ def test_convert_a_plain_checkpoint_for_training_and_for_ptq(tmp_path):
                           "--recipe", "mxfp4", "--mode", "ptq", "--output", str(tmp_path / "x")],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "not found" in bad.stderr
+
+
+def test_export_and_card_without_matplotlib_skip_only_the_curve(trained, tmp_path, monkeypatch, capsys):
+    """Issue 19: a plain install (no 'plot' extra) exports and writes the card; the curve is skipped with a note."""
+    import runpy
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    main = runpy.run_path(str(ROOT / "scripts" / "export.py"), run_name="export")["main"]
+    main(["--model", str(trained["ufp4"]), "--format", "bf16", "--output", str(tmp_path / "out")])
+    assert (tmp_path / "out" / "README.md").exists() and (tmp_path / "out" / "model.safetensors").exists()
+    assert not (tmp_path / "out" / "loss_curve.png").exists()
+    assert "loss_curve" not in (tmp_path / "out" / "README.md").read_text()
+    assert "matplotlib is not installed (pip install 'hf-fp4[plot]')" in capsys.readouterr().err

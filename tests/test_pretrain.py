@@ -202,3 +202,32 @@ def test_compile_blocks_compiles_each_decoder_block():
     assert trainer.compile_blocks(model, backend="aot_eager") == 2
     assert all(type(layer).__name__ == "LlamaDecoderLayer" and layer._compiled_call_impl is not None
                for layer in model.model.layers)
+
+
+def test_finished_run_says_where_everything_is_and_shows_a_sample(corpus_files, tmp_path, capsys):
+    """Issue 19: the end of a run lists metrics, curve, checkpoints and final model, and a greedy sample."""
+    run = tmp_path / "run"
+    trainer.train(TrainConfig.from_dict(tiny_cfg(corpus_files, run, max_steps=4, eval_every=2, checkpoint_every=4)))
+    out = capsys.readouterr().out
+    summary = out[out.index("hf_fp4: done"):]
+    for path in (run / "metrics.jsonl", run / "loss_curve.png", run / "checkpoints", run / "final"):
+        assert str(path) in summary and path.exists(), path
+    sample = summary.split("sample", 1)[1]
+    assert sample.strip().startswith("'") and len(sample.split("'")[1].split()) >= 4  # prompt + continuation
+    assert "validation loss" in summary
+
+
+def test_compare_runs_without_matplotlib_prints_the_table_or_refuses_the_plot(tmp_path):
+    for name, recipe in (("base", "bf16"), ("fp4", "nvfp4")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 3.0, "val_loss": 3.1}) + "\n")
+        (tmp_path / name / "train_config.yaml").write_text(yaml.safe_dump({"recipe": recipe}))
+    block = "import sys; sys.modules['matplotlib'] = None; import runpy; sys.argv = ['compare_runs.py'] + sys.argv[1:]; "
+    script = str(ROOT / "scripts" / "compare_runs.py")
+    code = block + f"runpy.run_path({script!r}, run_name='__main__')"
+    runs = [str(tmp_path / "base"), str(tmp_path / "fp4")]
+    done = subprocess.run([sys.executable, "-c", code, *runs], capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 0 and "| fp4 |" in done.stdout and "hf-fp4[plot]" in done.stderr
+    done = subprocess.run([sys.executable, "-c", code, *runs, "--out", "c.png"], capture_output=True, text=True,
+                          cwd=tmp_path)
+    assert done.returncode == 2 and "hf-fp4[plot]" in done.stderr and not (tmp_path / "c.png").exists()

@@ -1,0 +1,35 @@
+"""Optional extras stay optional: one place that imports them and says which extra a feature needs.
+
+    plt = optional("matplotlib.pyplot", "plot", "the loss-curve PNG")   # None (and a one-line note) if absent
+    lm_eval = require("lm_eval", "eval", "scripts/evaluate.py")          # ImportError naming the extra if absent
+
+The extras are pyproject.toml's: plot (matplotlib), tensorboard, eval (lm-eval, compressed-tensors, gguf).
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+from types import ModuleType
+
+
+def _hint(extra: str | None, module: str) -> str:
+    return f"pip install 'hf-fp4[{extra}]'" if extra else f"pip install {module.split('.')[0]}"
+
+
+def require(module: str, extra: str | None, feature: str) -> ModuleType:
+    """Import `module` for a feature the user asked for, or raise ImportError saying which extra enables it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as err:
+        raise ImportError(f"{feature} needs {module.split('.')[0]}, which is not installed: "
+                          f"{_hint(extra, module)}") from err
+
+
+def optional(module: str, extra: str | None, feature: str) -> ModuleType | None:
+    """Import `module` for a feature that can be skipped; if it is missing, print one line and return None."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        print(f"hf_fp4: {feature} skipped: {module.split('.')[0]} is not installed ({_hint(extra, module)})",
+              file=sys.stderr)
+        return None
