@@ -21,12 +21,12 @@ STEP_MIX = 0x5851F42D4C957F2D
 
 
 def _mul32(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(high, low) 32-bit halves of the 64-bit product of the constant a and uint32 values b (int64)."""
-    b_hi, b_lo = b >> 16, b & 0xFFFF
-    p_hi, p_lo = a * b_hi, a * b_lo  # each < 2^48: exact in int64
-    high = (p_hi + (p_lo >> 16)) >> 16
-    low = (((p_hi & 0xFFFF) << 16) + p_lo) & MASK
-    return high, low
+    """(high, low) 32-bit halves of the 64-bit product of the constant a and uint32 values b (int64).
+
+    The product is below 2^64, so its int64 result (two's-complement wrap-around) holds exactly its 64 bits:
+    the halves are a shift and a mask (the philox tests check this against Triton's tl.rand4x)."""
+    p = b * a
+    return (p >> 32) & MASK, p & MASK
 
 
 def philox_words(seed: "int | torch.Tensor", offsets: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -27,9 +27,7 @@ def main(argv=None):
         cfg = load_config(args.config, overrides)
     except (ValueError, FileNotFoundError) as err:
         parser.exit(2, f"error: {err}\n")
-    record = train(cfg, resume=args.resume, overwrite=args.overwrite)
-    print(f"final: step {record.get('step')} loss {record.get('loss')} val_loss {record.get('val_loss')} "
-          f"-> {cfg.output_dir}/final")
+    train(cfg, resume=args.resume, overwrite=args.overwrite)  # ends by printing where everything is
 
 
 if __name__ == "__main__":
