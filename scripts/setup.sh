@@ -9,4 +9,5 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   .venv/bin/pip install -q --upgrade pip
   .venv/bin/pip install -q "torch==${HF_FP4_TORCH:-2.13.0}"
 fi
-.venv/bin/pip install -q -e ".[test,plot,tensorboard,eval]"
+# setuptools' advice banners about editable installs (UserWarnings of the build backend) are not for our users
+PYTHONWARNINGS="ignore::UserWarning" .venv/bin/pip install -q -e ".[test,plot,tensorboard,eval]"
