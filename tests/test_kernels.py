@@ -278,3 +278,24 @@ def test_operand_kernel_matches_reference_at_large_sizes_on_gpu(spec, form, h):
     signs = (seeded_signs(h, 5), seeded_signs(h, 6)) if h else (None, None)
     plans = (plan_for(spec, form, h, h > 0), plan_for(spec, form, h, h > 0))
     assert_operands_exact(t, plans, torch.tensor([3, 4], device=DEV), signs)
+
+
+@pytest.mark.parametrize("grid,qmax,step_pts", [
+    ("e2m1", 6.0, [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]),        # every E2M1 midpoint
+    ("e1m2", 1.75, [0.125 + 0.25 * i for i in range(7)]),          # every E1M2 midpoint
+    ("int4", 7.0, [0.5 + i for i in range(7)])])                    # every INT4 midpoint
+@pytest.mark.parametrize("form", ["fp8", "bf16"])
+def test_operand_kernel_breaks_exact_ties_to_the_even_code(grid, qmax, step_pts, form):
+    """With power-of-two scales the grid's midpoints are hit exactly: each must round to the even code, as
+    the reference (checked against ml_dtypes) does, in both orientations."""
+    spec = QuantSpec(grid, (1, 32), "e8m0_floor")  # amax = qmax gives the scale 1: values are grid units
+    row = torch.tensor(step_pts + [-p for p in step_pts] + [qmax] + [0.0] * (32 - 2 * len(step_pts) - 1))
+    t = torch.stack([row.roll(i) * 2.0 ** (i % 5 - 2) for i in range(32)]).to(DEV)  # several binades
+    plan = plan_for(spec, form, 0, False)
+    assert_operands_exact(t, (plan, plan), torch.tensor([1, 2], device=DEV), (None, None))
+    ref = reference_operand(t, plan, 0, None).data
+    units = ref[0, :2 * len(step_pts)] / 0.25  # row 0 is scaled by 2^-2, so is its block scale
+    even = {"e2m1": [0, 1, 1, 2, 2, 4, 4], "e1m2": [0, 0.5, 0.5, 1.0, 1.0, 1.5, 1.5],
+            "int4": [0, 2, 2, 4, 4, 6, 6]}[grid]
+    expected = torch.tensor(even + [-v for v in even], dtype=torch.float32, device=units.device)
+    assert torch.equal(units, expected), (grid, units)  # the reference itself breaks ties to even
