@@ -165,6 +165,9 @@ def quantize(x: torch.Tensor, spec: "QuantSpec | str", generator: torch.Generato
     """
     spec = as_spec(spec)
     if backend == "triton":
+        if generator is not None or noise is not None:
+            raise ValueError("the triton backend draws stochastic-rounding noise with Philox: pass seed=<int> "
+                             "(the reference backend draws the same numbers from the same seed)")
         from .kernels.quant import triton_quantize
         return triton_quantize(x, spec, seed=seed)
     if backend != "reference":

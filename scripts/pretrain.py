@@ -21,7 +21,7 @@ def main(argv=None):
     parser.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
     parser.add_argument("--overwrite", action="store_true", help="delete an existing run in output_dir first")
     parser.add_argument("overrides", nargs="*", help="key=value overrides")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # key=value overrides may come before or after the flags
     overrides = list(args.overrides) + ([f"output_dir={args.output_dir}"] if args.output_dir else [])
     try:
         cfg = load_config(args.config, overrides)

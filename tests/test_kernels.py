@@ -132,6 +132,8 @@ def test_quantize_api_runs_the_kernel():
     assert_same(quantize(x, "mxfp4", backend="triton"), quantize(x, "mxfp4"))
     with pytest.raises(ValueError, match="valid: reference, triton"):
         quantize(x, "mxfp4", backend="cuda")
+    with pytest.raises(ValueError, match="pass seed="):  # the kernels draw with Philox, not a torch.Generator
+        quantize(x, "mxfp4", backend="triton", generator=torch.Generator())
 
 
 @pytest.mark.gpu

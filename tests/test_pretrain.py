@@ -231,3 +231,16 @@ def test_compare_runs_without_matplotlib_prints_the_table_or_refuses_the_plot(tm
     done = subprocess.run([sys.executable, "-c", code, *runs, "--out", "c.png"], capture_output=True, text=True,
                           cwd=tmp_path)
     assert done.returncode == 2 and "hf-fp4[plot]" in done.stderr and not (tmp_path / "c.png").exists()
+
+
+def test_overrides_may_follow_flags(tmp_path, capsys):
+    """`pretrain.py --config C recipe=X --output_dir D trackers=[]` parses (intermixed), then names the bad value."""
+    import runpy
+
+    main = runpy.run_path(str(ROOT / "scripts" / "pretrain.py"), run_name="pretrain")["main"]
+    cfg = write_cfg(tmp_path / "c.yaml", {"model": TINY_MODEL})
+    with pytest.raises(SystemExit) as exc:
+        main(["--config", cfg, "recipe=nvfp5", "--output_dir", str(tmp_path / "d"), "trackers=[]"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "valid presets" in err and "unrecognized" not in err
