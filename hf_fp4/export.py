@@ -27,11 +27,11 @@ from safetensors.torch import save_file
 
 from .convert import fp4_modules
 from .formats import Grid
-from .integration import FP4TrainConfig
 from .extras import require
+from .integration import FP4TrainConfig
 from .scales import ScaleRule
 
-FORMATS = ("fp4", "bf16", "compressed-tensors")
+FORMATS = ("fp4", "bf16", "compressed-tensors", "gguf")
 
 
 def _dedup_state_dict(model) -> dict[str, torch.Tensor]:
@@ -161,7 +161,28 @@ def export_compressed_tensors(model, tokenizer, output, overwrite=False) -> Path
     return write_dir_atomically(output, overwrite, lambda p: _save_common(model, tokenizer, cfg, state, p))
 
 
-def export_model(model_dir: str, fmt: str, output: str, overwrite: bool = False, dtype: str = "bfloat16") -> dict:
+def _stored_bytes(path: Path, fmt: str, layers) -> tuple[int, int]:
+    """(file bytes, bytes of the converted linear layers' tensors) of an export."""
+    if fmt == "gguf":
+        import gguf
+        from .gguf_export import gguf_names
+
+        names = gguf_names(layers)
+        tensors = gguf.GGUFReader(str(path)).tensors
+        return path.stat().st_size, sum(int(t.n_bytes) for t in tensors if t.name in names)
+    from safetensors import safe_open
+
+    stored = 0
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        for key in f.keys():
+            if key.rsplit(".", 1)[0] in layers:
+                t = f.get_tensor(key)
+                stored += t.numel() * t.element_size()
+    return (path / "model.safetensors").stat().st_size, stored
+
+
+def export_model(model_dir: str, fmt: str, output: str, overwrite: bool = False, dtype: str = "bfloat16",
+                 gguf_type: str = "mxfp4") -> dict:
     """Load model_dir (after `import hf_fp4`) and export it; returns sizes for the report."""
     from .evaluation import load_model
 
@@ -172,20 +193,15 @@ def export_model(model_dir: str, fmt: str, output: str, overwrite: bool = False,
         path = export_fp4(model, tok, output, overwrite)
     elif fmt == "bf16":
         path = export_bf16(model, tok, output, overwrite, getattr(torch, dtype))
+    elif fmt == "gguf":
+        from .gguf_export import export_gguf
+        path = export_gguf(model, tok, output, gguf_type, overwrite)
     else:
         path = export_compressed_tensors(model, tok, output, overwrite)
-    from safetensors import safe_open
-
     n_params = sum(p.numel() for p in model.parameters())
-    size = (Path(path) / "model.safetensors").stat().st_size
     layers = fp4_modules(model)
     linear = sum(m.weight.numel() for m in layers.values())
-    stored = 0
-    with safe_open(str(Path(path) / "model.safetensors"), "pt") as f:
-        for key in f.keys():
-            if key.rsplit(".", 1)[0] in layers:
-                t = f.get_tensor(key)
-                stored += t.numel() * t.element_size()
+    size, stored = _stored_bytes(Path(path), fmt, layers)
     return {"path": str(path), "format": fmt, "bytes": size, "bf16_bytes": 2 * n_params,
             "ratio_vs_bf16": size / (2 * n_params), "fp4_linear_params": linear,
             "linear_bits_per_param": 8 * stored / max(1, linear)}

@@ -1,9 +1,10 @@
 #!/usr/bin/env python
-"""Export a trained model: python scripts/export.py --model DIR --format {fp4,bf16,compressed-tensors} --output OUT
+"""Export a trained model: python scripts/export.py --model DIR --format {fp4,bf16,compressed-tensors,gguf} --output OUT
 
 fp4: packed FP4 safetensors, reloaded by from_pretrained after `import hf_fp4`; bf16: a dequantized
-standard checkpoint; compressed-tensors: NVFP4 weights for vLLM / llm-compressor (nvfp4-style recipes).
-Also writes OUT/README.md (model card) unless --no_card.
+standard checkpoint; compressed-tensors: NVFP4 weights for vLLM / llm-compressor (nvfp4-style recipes);
+gguf: one .gguf file for llama.cpp (MXFP4-trained linears bit for bit; --gguf_type).
+Also writes OUT/README.md (model card) unless --no_card or gguf.
 """
 import argparse
 import sys
@@ -18,13 +19,15 @@ def main(argv=None):
     p.add_argument("--format", required=True, choices=FORMATS)
     p.add_argument("--output", required=True)
     p.add_argument("--dtype", default="bfloat16", help="bf16 format: the saved dtype (bfloat16 or float32)")
+    p.add_argument("--gguf_type", default="mxfp4", help="gguf format: mxfp4 (MXFP4-trained linears bit for bit, "
+                   "the rest BF16), bf16 or f32; --output names the .gguf file")
     p.add_argument("--overwrite", action="store_true")
     p.add_argument("--eval_results", help="results.json of scripts/evaluate.py for the model card")
     p.add_argument("--no_card", action="store_true")
     args = p.parse_args(argv)
     try:
-        report = export_model(args.model, args.format, args.output, args.overwrite, args.dtype)
-        if not args.no_card:
+        report = export_model(args.model, args.format, args.output, args.overwrite, args.dtype, args.gguf_type)
+        if not args.no_card and args.format != "gguf":
             from hf_fp4.model_card import write_model_card
             write_model_card(args.output, args.model, args.format, args.eval_results)
     except (ValueError, FileNotFoundError, FileExistsError, ImportError) as err:

@@ -24,7 +24,7 @@ MODEL = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "nu
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """Two tiny models trained a few steps: ufp4 (RHT on fprop) and nvfp4 (2D weights)."""
+    """Tiny models trained a few steps: ufp4 (RHT on fprop), nvfp4 (2D weights), mxfp4 (GGUF's MXFP4)."""
     import os
 
     root = tmp_path_factory.mktemp("export")
@@ -33,7 +33,7 @@ def trained(tmp_path_factory):
     from conftest import write_corpus
     files = write_corpus(root / "corpus")
     out = {}
-    for recipe in ("ufp4", "nvfp4"):
+    for recipe in ("ufp4", "nvfp4", "mxfp4"):
         cfg = TrainConfig.from_dict({"model": MODEL, "recipe": recipe, "dataset": {"files": files}, "vocab_size": 300,
                                      "seq_len": 32, "batch_size": 4, "max_steps": 3, "eval_every": 3,
                                      "checkpoint_every": 100, "output_dir": str(root / recipe), "trackers": []})
@@ -250,3 +250,58 @@ def test_export_and_card_without_matplotlib_skip_only_the_curve(trained, tmp_pat
     assert not (tmp_path / "out" / "loss_curve.png").exists()
     assert "loss_curve" not in (tmp_path / "out" / "README.md").read_text()
     assert "matplotlib is not installed (pip install 'hf-fp4[plot]')" in capsys.readouterr().err
+
+
+def test_gguf_export_is_bit_exact_for_mxfp4_and_loads_in_transformers(trained, tmp_path):
+    """Issue 20: MXFP4-trained linears go into GGUF's MXFP4 with no rounding (gguf's own dequantizer gives our
+    operand values, Q/K rows in llama.cpp's order); transformers' GGUF loader gives our weight-quantized
+    logits within BF16 rounding of the embeddings; its tokenizer tokenizes as ours; convert.py reads it back
+    into a training model with the same codes."""
+    gguf = pytest.importorskip("gguf")
+    from transformers import AutoTokenizer
+
+    from hf_fp4.evaluation import load_model
+    from hf_fp4.gguf_export import permute_rotary_rows
+    from hf_fp4.integration import apply_fp4_config
+
+    report = export_model(str(trained["mxfp4"]), "gguf", str(tmp_path / "m.gguf"))
+    assert 4.0 < report["linear_bits_per_param"] < 4.5  # 17 bytes per 32 weights
+    ours = AutoModelForCausalLM.from_pretrained(trained["mxfp4"])
+    cfg = ours.config
+    tensors = {t.name: t for t in gguf.GGUFReader(str(tmp_path / "m.gguf")).tensors}
+    for name, m in hf_fp4.fp4_modules(ours).items():
+        block = int(name.split("layers.")[1].split(".")[0])
+        short = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
+                 "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}[name.rsplit(".", 1)[1]]
+        t = tensors[f"blk.{block}.{short}.weight"]
+        assert t.tensor_type == gguf.GGMLQuantizationType.MXFP4
+        values = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy())
+        expected = m.quantized_fprop_weight().dequantize()
+        heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}.get(short)
+        if heads:
+            expected = permute_rotary_rows(expected, heads)
+        assert torch.equal(values, expected), name
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf")
+    assert torch.allclose(logits(loaded).float(), logits(weights_only(ours)), atol=5e-3, rtol=0)
+    text = "Shall I compare thee to a summer's day? Thou art more lovely."
+    tok_ours = AutoTokenizer.from_pretrained(trained["mxfp4"])
+    tok_gguf = AutoTokenizer.from_pretrained(tmp_path, gguf_file="m.gguf")
+    assert tok_gguf(text, add_special_tokens=False)["input_ids"] == tok_ours(text, add_special_tokens=False)["input_ids"]
+    back, _ = load_model(str(tmp_path), "m.gguf")  # scripts/convert.py --gguf: into a training model again
+    apply_fp4_config(back, hf_fp4.FP4TrainConfig("mxfp4"))
+    for name, m in hf_fp4.fp4_modules(ours).items():  # equal values (a -0 code comes back as +0)
+        assert torch.equal(hf_fp4.fp4_modules(back)[name].quantized_fprop_weight().dequantize(),
+                           m.quantized_fprop_weight().dequantize()), name
+
+
+def test_gguf_export_of_other_recipes_is_dequantized_and_says_so(trained, tmp_path):
+    gguf = pytest.importorskip("gguf")
+    export_model(str(trained["nvfp4"]), "gguf", str(tmp_path / "n.gguf"))  # NVFP4's tensor scale has no GGUF slot
+    types = {t.name: t.tensor_type for t in gguf.GGUFReader(str(tmp_path / "n.gguf")).tensors}
+    assert types["blk.0.attn_q.weight"] == gguf.GGMLQuantizationType.BF16
+    assert types["blk.0.attn_norm.weight"] == gguf.GGMLQuantizationType.F32
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="n.gguf")
+    ours = AutoModelForCausalLM.from_pretrained(trained["nvfp4"])
+    assert torch.allclose(logits(loaded).float(), logits(weights_only(ours)), atol=2e-2, rtol=0)
+    with pytest.raises(ValueError, match="valid: mxfp4, bf16, f32"):
+        export_model(str(trained["nvfp4"]), "gguf", str(tmp_path / "x.gguf"), gguf_type="q4_0")
