@@ -124,7 +124,7 @@ def export_gguf(model, tokenizer, output, gguf_type: str = "mxfp4", overwrite: b
     writer = gguf.GGUFWriter(str(tmp), "llama")
     _write_metadata(writer, gguf, config, tokenizer)
     float_type = gguf.GGMLQuantizationType.F32 if gguf_type == "f32" else gguf.GGMLQuantizationType.BF16
-    seen = set()
+    seen, exact, lossy = set(), 0, []
     for hf_name, tensor in model.state_dict().items():
         if "lora_svd" in hf_name or hf_name.endswith("rotary_emb.inv_freq"):
             continue
@@ -145,13 +145,20 @@ def export_gguf(model, tokenizer, output, gguf_type: str = "mxfp4", overwrite: b
                 codes, scales = permute_rotary_rows(codes, heads), permute_rotary_rows(scales.view(torch.uint8), heads)
             writer.add_tensor(name, mxfp4_blocks(codes.cpu(), scales.cpu(), k),
                               raw_dtype=gguf.GGMLQuantizationType.MXFP4)  # shape from the bytes per row
+            exact += 1
             continue
+        if module is not None:
+            lossy.append(hf_name.removesuffix(".weight"))
         w = (module.dequantized_weight() if module is not None else tensor).detach().float().cpu()
         if heads:
             w = permute_rotary_rows(w, heads)
         kind = gguf.GGMLQuantizationType.F32 if w.dim() == 1 else float_type
         data = gguf.quants.quantize(w.numpy(), kind) if kind != gguf.GGMLQuantizationType.F32 else w.numpy()
         writer.add_tensor(name, data, raw_dtype=kind)
+    kind_name = "F32" if gguf_type == "f32" else "BF16"
+    print(f"hf_fp4: GGUF: {exact} FP4 linear layer(s) as MXFP4, bit for bit"
+          + (f"; {len(lossy)} dequantized to {kind_name} (their fprop weight is not E2M1 + E8M0 on 1x32 blocks "
+             f"without Hadamard / LoRA-SVD, or --gguf_type asked for it), e.g. {lossy[0]}" if lossy else ""))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
