@@ -152,8 +152,8 @@ def test_missing_tokenizer_and_partial_checkpoints_are_clear_errors(trained, tmp
 def test_export_errors_are_clear(trained, tmp_path):
     with pytest.raises(FileNotFoundError, match="not found"):
         export_model(str(tmp_path / "missing"), "fp4", str(tmp_path / "x"))
-    with pytest.raises(ValueError, match="valid: fp4, bf16, compressed-tensors"):
-        export_model(str(trained["ufp4"]), "gguf", str(tmp_path / "x"))
+    with pytest.raises(ValueError, match="valid: fp4, bf16, compressed-tensors, gguf"):
+        export_model(str(trained["ufp4"]), "onnx", str(tmp_path / "x"))
     (tmp_path / "taken").mkdir()
     with pytest.raises(FileExistsError, match="--overwrite"):
         export_model(str(trained["ufp4"]), "fp4", str(tmp_path / "taken"))
