@@ -27,7 +27,7 @@ import functools
 import json
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -111,20 +111,15 @@ class OperandPlan:
                    d["k_align"])
 
 
-class Operand(tuple):
-    """(data, scale, side, eb, flags).  fp32/hp: data only (scale = 1); bf16: data + FP32 tensor scale;
-    fp8: E4M3 data, FP32 row scales, and the lost-block parts (kernels/operand.py)."""
+class Operand(NamedTuple):
+    """fp32/hp: data only (scale = 1); bf16: data + FP32 tensor scale; fp8: E4M3 data, FP32 row scales, and
+    the lost-block parts (side values, block exponents, row flags; kernels/operand.py). Unused: empty."""
 
-    __slots__ = ()
-
-    def __new__(cls, data, scale, side, eb, flags):
-        return super().__new__(cls, (data, scale, side, eb, flags))
-
-    data = property(lambda self: self[0])
-    scale = property(lambda self: self[1])
-    side = property(lambda self: self[2])
-    eb = property(lambda self: self[3])
-    flags = property(lambda self: self[4])
+    data: torch.Tensor
+    scale: torch.Tensor
+    side: torch.Tensor
+    eb: torch.Tensor
+    flags: torch.Tensor
 
 
 def empty_operand(plan: OperandPlan, rows: int, k: int, device, dtype=torch.float32) -> Operand:
