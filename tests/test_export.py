@@ -305,3 +305,30 @@ def test_gguf_export_of_other_recipes_is_dequantized_and_says_so(trained, tmp_pa
     assert torch.allclose(logits(loaded).float(), logits(weights_only(ours)), atol=2e-2, rtol=0)
     with pytest.raises(ValueError, match="valid: mxfp4, bf16, f32"):
         export_model(str(trained["nvfp4"]), "gguf", str(tmp_path / "x.gguf"), gguf_type="q4_0")
+
+
+def test_lora_svd_model_exports_keep_the_low_rank_term(trained, tmp_path):
+    """Issue 14: a LoRA-SVD model's fp4 export reloads with identical logits and its bf16 export gives the
+    weight-quantized logits -- both include B A (dropping it fails: the factors carry the top singular
+    directions, far above the test tolerance)."""
+    cfg = hf_fp4.FP4TrainConfig("nvfp4", lora_svd_rank=4)
+    src = tmp_path / "lora"
+    export_model(str(trained["nvfp4"]), "bf16", str(tmp_path / "plain"), dtype="float32")
+    from hf_fp4.evaluation import load_model
+    from hf_fp4.integration import apply_fp4_config
+
+    base, tok = load_model(str(tmp_path / "plain"))
+    apply_fp4_config(base, cfg)  # converts and splits W = W_res + B A
+    assert all(m.lora_svd_A is not None and m.lora_svd_A.abs().sum() > 0 for m in hf_fp4.fp4_modules(base).values())
+    base.save_pretrained(src)
+    tok.save_pretrained(src)
+    ref = AutoModelForCausalLM.from_pretrained(src)
+    export_model(str(src), "fp4", str(tmp_path / "fp4"))
+    assert torch.equal(logits(AutoModelForCausalLM.from_pretrained(tmp_path / "fp4")), logits(ref))
+    export_model(str(src), "bf16", str(tmp_path / "bf16"), dtype="float32")
+    got = logits(AutoModelForCausalLM.from_pretrained(tmp_path / "bf16"))
+    assert torch.allclose(got, logits(weights_only(ref)), atol=1e-4, rtol=1e-4)
+    without = copy.deepcopy(ref)
+    for m in hf_fp4.fp4_modules(without).values():
+        m.lora_svd_B.data.zero_()
+    assert not torch.allclose(logits(weights_only(without)), got, atol=1e-2)
