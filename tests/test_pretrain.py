@@ -244,3 +244,26 @@ def test_overrides_may_follow_flags(tmp_path, capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "valid presets" in err and "unrecognized" not in err
+
+
+def test_a_finite_loss_with_a_non_finite_gradient_is_skipped(corpus_files, tmp_path, monkeypatch):
+    """Issue 14 item 5: the step is judged by its gradient too (0 * sqrt(0) has a NaN derivative)."""
+    import torch
+
+    real = trainer.compute_loss
+    calls = {"n": 0}
+
+    def nan_grad(model, tokens):
+        calls["n"] += 1
+        loss = real(model, tokens)
+        if calls["n"] == 3:
+            p = next(model.parameters())
+            loss = loss + 0.0 * torch.sqrt(p.abs() * 0.0).sum()  # value unchanged, gradient NaN
+        return loss
+
+    monkeypatch.setattr(trainer, "compute_loss", nan_grad)
+    trainer.train(TrainConfig.from_dict(tiny_cfg(corpus_files, tmp_path / "g", max_steps=5, eval_every=100)))
+    recs = records(tmp_path / "g")
+    assert [r["skipped"] for r in recs] == [False, False, True, False, False]
+    assert "gradient norm is nan" in recs[2]["reason"]
+    assert all(r["loss"] is not None and r["loss"] == r["loss"] for r in recs[3:])  # the weights stayed finite
