@@ -239,6 +239,17 @@ def quantized_operands(name, layer, x, dy, call=0):
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_each_gemm_equals_the_float64_product_of_its_quantized_operands(name, backend):
+    check_products(name, backend, T)
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_fast_path_products_with_a_ragged_token_count(name):
+    """50 tokens: the wgrad contraction is padded to the block (and FP8 GEMMs to 16) on the fast path."""
+    pytest.importorskip("hf_fp4.kernels.operand")
+    check_products(name, "triton", 50)
+
+
+def check_products(name, backend, tokens):
     """What the layer computes (y, dx, dW), against products of operands built from the spec: within FP32
     accumulation error, elementwise.  The triton backend runs the operand kernels (interpreted on CPU) and
     the exact FP8 / BF16 GEMMs; the planted blocks lie beyond E4M3's range (FP8 recipes recompute them)."""
@@ -250,11 +261,11 @@ def test_each_gemm_equals_the_float64_product_of_its_quantized_operands(name, ba
     layer.backend = backend
     with torch.no_grad():
         layer.weight[:, :32] *= 2.0**20  # W's rows: a block 20 binades above the rest (lost in FP8)
-    x, dy = (t.to(dev) for t in inputs(seed=5))
+    x, dy = (t[:tokens].to(dev) for t in inputs(seed=5))
     x[3] *= 2.0**-22  # a token far below the rest: its own FP8 row reference
     x[5, :32] *= 2.0**-20  # a block far below its token's others, meeting W's large columns
     x[32:, 40] *= 2.0**-22  # one below its feature's others along the tokens (wgrad's x^T)
-    for call, (xs, dys) in enumerate([(x, dy), tuple(t.to(dev) for t in inputs(seed=6))]):
+    for call, (xs, dys) in enumerate([(x, dy), tuple(t[:tokens].to(dev) for t in inputs(seed=6))]):
         layer.zero_grad()
         got = run(layer, xs, dys)
         for gemm, g, (a, b) in zip(("fprop", "dgrad", "wgrad"), got, quantized_operands(name, layer, xs, dys, call)):
