@@ -71,24 +71,31 @@ def test_lr_schedules():
     assert trainer.lr_factor(10, cfg) == pytest.approx(1.0) and trainer.lr_factor(100, cfg) == pytest.approx(0.1)
 
 
-def test_non_finite_steps_are_skipped_and_a_streak_aborts_with_a_checkpoint(corpus_files, tmp_path, monkeypatch):
-    real = trainer.compute_loss
-    calls = {"n": 0}
+def break_micro_steps(monkeypatch, bad: set, fault):
+    """Make the trainer's compute_loss return fault(loss, model) on the micro-steps (counted from 1) in the
+    live set `bad`; returns the call counter."""
+    real, calls = trainer.compute_loss, {"n": 0}
 
-    def flaky(model, tokens):
+    def wrapped(model, tokens):
         calls["n"] += 1
         loss = real(model, tokens)
-        return loss * float("nan") if calls["n"] in bad else loss
+        return fault(loss, model) if calls["n"] in bad else loss
 
-    monkeypatch.setattr(trainer, "compute_loss", flaky)
+    monkeypatch.setattr(trainer, "compute_loss", wrapped)
+    return calls
+
+
+def test_non_finite_steps_are_skipped_and_a_streak_aborts_with_a_checkpoint(corpus_files, tmp_path, monkeypatch):
     bad = {3}  # one bad training micro-step: skipped, training goes on
+    calls = break_micro_steps(monkeypatch, bad, lambda loss, model: loss * float("nan"))
     cfg = TrainConfig.from_dict(tiny_cfg(corpus_files, tmp_path / "a", max_steps=6, eval_every=100))
     trainer.train(cfg)
     recs = records(tmp_path / "a")
     assert [r["skipped"] for r in recs] == [False, False, True, False, False, False]
     assert recs[2]["loss"] is None and "loss is nan" in recs[2]["reason"]
     calls["n"] = 0
-    bad = set(range(2, 100))
+    bad.clear()
+    bad.update(range(2, 100))
     cfg = TrainConfig.from_dict(tiny_cfg(corpus_files, tmp_path / "b", max_steps=20, max_bad_steps=3,
                                          eval_every=100))
     with pytest.raises(RuntimeError, match="3 non-finite steps in a row"):
@@ -250,18 +257,10 @@ def test_a_finite_loss_with_a_non_finite_gradient_is_skipped(corpus_files, tmp_p
     """Issue 14 item 5: the step is judged by its gradient too (0 * sqrt(0) has a NaN derivative)."""
     import torch
 
-    real = trainer.compute_loss
-    calls = {"n": 0}
+    def nan_grad(loss, model):  # value unchanged, gradient NaN
+        return loss + 0.0 * torch.sqrt(next(model.parameters()).abs() * 0.0).sum()
 
-    def nan_grad(model, tokens):
-        calls["n"] += 1
-        loss = real(model, tokens)
-        if calls["n"] == 3:
-            p = next(model.parameters())
-            loss = loss + 0.0 * torch.sqrt(p.abs() * 0.0).sum()  # value unchanged, gradient NaN
-        return loss
-
-    monkeypatch.setattr(trainer, "compute_loss", nan_grad)
+    break_micro_steps(monkeypatch, {3}, nan_grad)
     trainer.train(TrainConfig.from_dict(tiny_cfg(corpus_files, tmp_path / "g", max_steps=5, eval_every=100)))
     recs = records(tmp_path / "g")
     assert [r["skipped"] for r in recs] == [False, False, True, False, False]
