@@ -11,16 +11,7 @@ and right operand (W, W^T, x^T), blocks along that GEMM's contraction dimension,
 rotation applied to both operands along the same dimension.  A `LinearRecipe` holds the three GEMMs
 and the layer-level options; a `Recipe` adds the rules that pick which modules get which recipe.
 
-Presets (the README shows the same table):
-
-| preset   | fprop x / W              | dgrad dy / W^T          | wgrad dy^T / x^T          | Hadamard            |
-|----------|--------------------------|-------------------------|---------------------------|---------------------|
-| bf16     | -                        | -                       | -                         | -                   |
-| nvfp4    | nvfp4 / nvfp4_2d         | nvfp4 SR / nvfp4_2d     | nvfp4 SR / nvfp4          | RHT-16 fixed, wgrad |
-| mxfp4    | mxfp4 / mxfp4            | mxfp4 / mxfp4           | mxfp4 / mxfp4             | -                   |
-| mxfp4_dh | mxfp4 / mxfp4            | mxfp4 / mxfp4           | mxfp4 / mxfp4             | H-32 determ., wgrad |
-| ufp4     | ufp4 / ufp4              | ufp4 SR / ufp4          | ufp4 SR / ufp4            | RHT-16 fixed, all   |
-| tib      | mxfp4_2d_up / same       | SR / mxfp4_2d_up        | SR / mxfp4_2d_up          | -  (q,k_proj: mxfp8)|
+The presets are below (LINEAR_PRESETS, RECIPE_RULES); `preset_table()` renders them as the README's table.
 """
 from __future__ import annotations
 
@@ -330,3 +321,34 @@ def preset(name: str, **options) -> Recipe:
 
 
 PRESET_NAMES = tuple(n for n in LINEAR_PRESETS if n != "mxfp8")
+
+
+def _spec_label(spec: QuantSpec) -> str:
+    """A QuantSpec by its preset name (plus "SR" for stochastic rounding), or its fields."""
+    base = dataclasses.replace(spec, rounding="nearest", nonfinite="raise")
+    name = next((n for n in QuantSpec.presets() if QuantSpec.preset(n) == base), None)
+    label = name or f"{spec.grid.value} {spec.block[0]}x{spec.block[1]} {spec.scale.value}"
+    return label + (" SR" if spec.rounding.value == "stochastic" else "")
+
+
+def preset_table() -> str:
+    """The README's table of training recipes, generated from the presets (a test keeps the README equal)."""
+    rows = ["| recipe | fprop x / W | dgrad dy / Wᵀ | wgrad dyᵀ / xᵀ | Hadamard | layer rules |",
+            "|---|---|---|---|---|---|"]
+    for name in PRESET_NAMES:
+        recipe = preset(name)
+        cells = []
+        for g in GEMMS:
+            gs = recipe.linear.gemm(g)
+            cells.append(" / ".join(_spec_label(s) if s else "—" for s in (gs.lhs, gs.rhs)) if gs.quantized else "—")
+        groups: dict[tuple, list[str]] = {}
+        for g in GEMMS:
+            h = recipe.linear.gemm(g).hadamard
+            if h.enabled:
+                groups.setdefault((h.kind.value, h.size), []).append(g)
+        hadamard = "; ".join(f"{kind} H-{size}: {', '.join(gs)}" for (kind, size), gs in groups.items()) or "—"
+        rules = ", ".join(f"`{pattern.lstrip('*')}`: {r}" for pattern, r in recipe.rules.overrides) or "—"
+        if not recipe.linear.quantized:
+            rules = "quantization off (the same code path)"
+        rows.append(f"| `{name}` | {' | '.join(cells)} | {hadamard} | {rules} |")
+    return "\n".join(rows) + "\n"
