@@ -289,9 +289,9 @@ def _notify(module: FP4Linear, tensor: str, t: torch.Tensor, plans, ops, signs) 
         view = (t if i == 0 else t.t()).float()
         operand = apply_hadamard(view, plan.hadamard, signs[GEMMS.index(gemm_name)]) if plan.hadamard else view
         values = operand_values(op, plan, view.shape[0], view.shape[1])
+        spec = getattr(module.recipe.gemm(gemm_name), role)
         for fn in list(_OBSERVERS):
-            fn(module, gemm_name, role, operand, values, module.recipe.gemm(gemm_name).lhs if role == "lhs"
-               else module.recipe.gemm(gemm_name).rhs)
+            fn(module, gemm_name, role, operand, values, spec)
 
 
 def _tensor_operands(t, plan: LinearPlan, seeds, signs, mu, need, tensor, observer):
