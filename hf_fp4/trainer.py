@@ -121,8 +121,9 @@ def lr_factor(step: int, cfg: TrainConfig) -> float:
 
 
 def compute_loss(model, tokens: torch.Tensor) -> torch.Tensor:
-    """Next-token cross-entropy of [B, L + 1] token windows."""
-    logits = model(input_ids=tokens[:, :-1]).logits
+    """Next-token cross-entropy of [B, L + 1] token windows.  No KV cache: building one would also make
+    each compiled decoder block specialise on its layer index (a recompilation per layer)."""
+    logits = model(input_ids=tokens[:, :-1], use_cache=False).logits
     return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
                                              tokens[:, 1:].reshape(-1))
 

@@ -285,13 +285,15 @@ def build_model(name, cfg_kwargs, dev):
         model = torchao_float8(model, name.removeprefix("torchao_fp8_").removesuffix(":compiled"))
     if name.startswith("emulation"):
         model = swap_to_emulation(model)
-    if name.endswith("compiled") and model is not None:
+    if name.endswith(("compiled", "graphs")) and model is not None:
+        mode = "reduce-overhead" if name.endswith("graphs") else "default"
         for layer in model.model.layers:  # regional compilation: one compiled decoder block, reused
-            layer.compile()
+            layer.compile(mode=mode)
     return model, cfg
 
 
-def bench_e2e(dev, label, cfg_kwargs, batch, seq, steps, results, names):
+def bench_e2e(dev, label, cfg_kwargs, batch, seq, steps, results, names, save=lambda: None):
+    """Train steps of one model per impl; save() after each impl (a long run keeps what it measured)."""
     table, base = [], None
     for name in names:
         torch._dynamo.reset()
@@ -303,19 +305,20 @@ def bench_e2e(dev, label, cfg_kwargs, batch, seq, steps, results, names):
 
         def step(ids):
             with torch.autocast(dev, dtype=torch.bfloat16, enabled=dev == "cuda"):
-                loss = model(input_ids=ids, labels=ids).loss
+                loss = model(input_ids=ids, labels=ids, use_cache=False).loss  # a cache recompiles each block
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
 
         t0 = time.perf_counter()
-        ms = timed(step, inputs, warmup=3, reps=steps)
+        ms = timed(step, inputs, warmup=3, reps=steps, graphs=name.endswith("graphs"))
         tps = batch * seq / (ms / 1e3)
         base = base or tps
         results["e2e"].append({"model": label, "impl": name, "tokens_per_s": round(tps), "step_ms": round(ms, 2),
                                "tokens_per_step": batch * seq})
         table.append([name, f"{tps:,.0f}", f"{tps / base:.2f}x", f"{time.perf_counter() - t0:.0f}"])
         print(table[-1], flush=True)
+        save()
         del model, opt
         torch.cuda.empty_cache() if dev == "cuda" else None
     return md_table(f"End-to-end train step, {label}, {batch}x{seq} tokens, fp32 master weights, bf16 autocast, "
@@ -371,7 +374,8 @@ def main():
     lin_names += ["bf16_graphs"] + [f"hf_fp4:{p}:graphs" for p in FP4_PRESETS]
     e2e_names = ["bf16", "bf16_compiled", "torchao_fp8_tensorwise:compiled", "torchao_fp8_rowwise:compiled",
                  "emulation_compiled"] + [f"hf_fp4:{p}" for p in FP4_PRESETS] + [
-                 f"hf_fp4:{p}:compiled" for p in FP4_PRESETS]
+                 f"hf_fp4:{p}:compiled" for p in FP4_PRESETS] + ["bf16_graphs"] + [
+                 f"hf_fp4:{p}:graphs" for p in FP4_PRESETS]
     if args.impls:
         keep = set(args.impls.split(","))
         lin_names = [n for n in lin_names if n in keep]
@@ -393,14 +397,15 @@ def main():
         write(results, stem, "\n".join(text))
     if "e2e" in parts:
         text.append(bench_e2e(dev, "llama-1.1b", sizes["e2e"], sizes["batch"], sizes["seq"], sizes["steps"],
-                              results, e2e_names))
+                              results, e2e_names, lambda: write(results, stem, "\n".join(text))))
         write(results, stem, "\n".join(text))
     if "e2e50m" in parts:
         model_cfg, cfg = bench50m_model()
         kwargs = {k: v for k, v in model_cfg.items() if k != "model_type"}
         kwargs["vocab_size"] = int(cfg["vocab_size"])
         seq, batch = int(cfg["seq_len"]), int(cfg["batch_size"])
-        text.append(bench_e2e(dev, "bench-50m", kwargs, batch, seq, sizes["steps"] * 2, results, e2e_names))
+        text.append(bench_e2e(dev, "bench-50m", kwargs, batch, seq, sizes["steps"] * 2, results, e2e_names,
+                              lambda: write(results, stem, "\n".join(text))))
     write(results, stem, "\n".join(text))
 
 

@@ -194,7 +194,10 @@ def test_compiled_training_matches_eager_losses(corpus_files, tmp_path):
         trainer.train(cfg)
         runs[compiled] = [r["loss"] for r in records(tmp_path / f"c{compiled}") if "loss" in r]
         if compiled:
-            assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # it did compile
+            graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+            # it did compile, once per block mode (training, evaluation) -- not once per layer, as a KV cache's
+            # per-layer guards would make it (a real model then falls back to eager after 8 layers)
+            assert 1 <= graphs <= 2, graphs
             assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
     assert len(runs[True]) == 3 and runs[True] == runs[False]
     with pytest.raises(ValueError, match="compile_mode"):
