@@ -18,7 +18,8 @@ A linear layer's three tensors each feed two GEMMs, in two orientations (RESEARC
 
 `operands(t, plans, seeds, signs, mu)` produces both orientations of t in one call (the Triton kernels
 read t once for the statistics and once for both operands) and `gemm(a, b, form, ...)` multiplies two
-operands.  Both are `torch.library` custom ops, so torch.compile traces FP4Linear without graph breaks.
+operands.  Both are `torch.library` ops (on CUDA `triton_op`s, whose kernels torch.compile launches from its own
+generated code), so torch.compile traces FP4Linear without graph breaks.
 """
 from __future__ import annotations
 
@@ -39,6 +40,8 @@ from .scales import ScaleRule
 from .spec import QuantSpec
 
 FORMS = ("hp", "fp32", "fp8", "bf16")
+#: The forms the Triton kernels make (the others: "hp" is the tensor itself, "fp32" the reference values).
+KERNEL_FORMS = ("fp8", "bf16")
 BACKENDS = ("auto", "reference", "triton")
 
 
@@ -182,7 +185,7 @@ def plans_key(plans: tuple[OperandPlan | None, OperandPlan | None]) -> str:
 def _operands_impl(t, mu, seeds, signs_a, signs_b, key):
     plans = _plans(key)
     signs = (signs_a, signs_b)
-    fast = tuple(p if p is not None and p.form in ("fp8", "bf16") else None for p in plans)
+    fast = tuple(p if p is not None and p.form in KERNEL_FORMS else None for p in plans)
     out: list = [None, None]
     if any(fast):
         from .kernels.operand import triton_operands
@@ -200,14 +203,7 @@ def _operands_impl(t, mu, seeds, signs_a, signs_b, key):
     return result
 
 
-@torch.library.custom_op("hf_fp4::operands", mutates_args=())
-def _operands_op(t: torch.Tensor, mu: Optional[torch.Tensor], seeds: torch.Tensor, signs_a: Optional[torch.Tensor],
-                 signs_b: Optional[torch.Tensor], key: str) -> list[torch.Tensor]:
-    return _operands_impl(t, mu, seeds, signs_a, signs_b, key)
-
-
-@_operands_op.register_fake
-def _(t, mu, seeds, signs_a, signs_b, key):
+def _operands_fake(t, mu, seeds, signs_a, signs_b, key):
     result = []
     for plan, (rows, k) in zip(_plans(key), ((t.shape[0], t.shape[1]), (t.shape[1], t.shape[0]))):
         if plan is None:
@@ -215,6 +211,20 @@ def _(t, mu, seeds, signs_a, signs_b, key):
         else:
             result += list(empty_operand(plan, rows, k, t.device, t.dtype))
     return result
+
+
+def _operands_kernels(t: torch.Tensor, mu: Optional[torch.Tensor], seeds: torch.Tensor,
+                      signs_a: Optional[torch.Tensor], signs_b: Optional[torch.Tensor], key: str) -> list[torch.Tensor]:
+    return _operands_impl(t, mu, seeds, signs_a, signs_b, key)
+
+
+# Two registrations of one implementation.  "operands" is opaque to torch.compile (any device, any form:
+# the reference path reads the seeds on the host; on the CPU the kernels run in Triton's interpreter).
+# "operands_cuda" (CUDA tensors, kernel forms only) is a triton_op: torch.compile traces into it and
+# launches its kernels from the generated code, without a Python call per operand pair.
+_operands_op = torch.library.custom_op("hf_fp4::operands", _operands_kernels, mutates_args=())
+_operands_op.register_fake(_operands_fake)
+_operands_cuda_op = torch.library.triton_op("hf_fp4::operands_cuda", _operands_kernels, mutates_args=())
 
 
 def quantized_pair(plans) -> tuple[OperandPlan | None, OperandPlan | None]:
@@ -233,7 +243,9 @@ def operands(t: torch.Tensor, plans: tuple[OperandPlan | None, OperandPlan | Non
     quantized = quantized_pair(plans)
     out: list = [None, None]
     if any(quantized):  # `key` (plans_key of the pair) may be precomputed: json does not trace
-        flat = _operands_op(t, mu, seeds, *signs, key or plans_key(quantized))
+        traceable = t.is_cuda and all(p is None or p.form in KERNEL_FORMS for p in quantized)
+        op = _operands_cuda_op if traceable else _operands_op
+        flat = op(t, mu, seeds, *signs, key or plans_key(quantized))
         out = [Operand(*flat[5 * i:5 * i + 5]) if p is not None else None for i, p in enumerate(quantized)]
     if any(p is not None and p.form == "hp" for p in plans):
         raw = (t.float() - mu).to(t.dtype) if mu is not None else t
@@ -244,15 +256,19 @@ def operands(t: torch.Tensor, plans: tuple[OperandPlan | None, OperandPlan | Non
     return tuple(out)
 
 
-@torch.library.custom_op("hf_fp4::fp8_gemm", mutates_args=())
-def _fp8_gemm_op(a_data: torch.Tensor, a_scale: torch.Tensor, a_side: torch.Tensor, a_eb: torch.Tensor,
-                 a_flags: torch.Tensor, b_data: torch.Tensor, b_scale: torch.Tensor, b_side: torch.Tensor,
-                 b_eb: torch.Tensor, b_flags: torch.Tensor, m: int, n: int, out_dtype: torch.dtype,
-                 a_blc: int, a_shift: int, b_blc: int, b_shift: int) -> torch.Tensor:
+def _fp8_gemm_kernels(a_data: torch.Tensor, a_scale: torch.Tensor, a_side: torch.Tensor, a_eb: torch.Tensor,
+                      a_flags: torch.Tensor, b_data: torch.Tensor, b_scale: torch.Tensor, b_side: torch.Tensor,
+                      b_eb: torch.Tensor, b_flags: torch.Tensor, m: int, n: int, out_dtype: torch.dtype,
+                      a_blc: int, a_shift: int, b_blc: int, b_shift: int) -> torch.Tensor:
     from .kernels.gemm import fp8_gemm
 
     return fp8_gemm(Operand(a_data, a_scale, a_side, a_eb, a_flags), Operand(b_data, b_scale, b_side, b_eb, b_flags),
                     m, n, out_dtype, a_blc, a_shift, b_blc, b_shift)
+
+
+# Registered twice, as the operands are: opaque (the CPU and Triton's interpreter) and as a triton_op (CUDA).
+_fp8_gemm_op = torch.library.custom_op("hf_fp4::fp8_gemm", _fp8_gemm_kernels, mutates_args=())
+_fp8_gemm_cuda_op = torch.library.triton_op("hf_fp4::fp8_gemm_cuda", _fp8_gemm_kernels, mutates_args=())
 
 
 @_fp8_gemm_op.register_fake
@@ -271,7 +287,8 @@ def gemm(a: Operand, b: Operand, plans: tuple[OperandPlan, OperandPlan], m: int,
         return (a.data @ b.data.t()).to(out_dtype)
     if form == "fp8":
         pa, pb = plans
-        return _fp8_gemm_op(*a, *b, m, n, out_dtype, pa.spec.block[1], fp8_shift(pa.spec.grid),
+        op = _fp8_gemm_cuda_op if a.data.is_cuda else _fp8_gemm_op
+        return op(*a, *b, m, n, out_dtype, pa.spec.block[1], fp8_shift(pa.spec.grid),
                             pb.spec.block[1], fp8_shift(pb.spec.grid))
     # bf16: exact operands, FP32 accumulation, the two FP32 tensor scales on the output
     if a.data.is_cuda:

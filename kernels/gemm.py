@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch.library import wrap_triton
 
 from .numerics import pow2
 
@@ -69,7 +70,7 @@ def correct_lost_tiles(out: torch.Tensor, a, b, a_blc: int, a_shift: int, b_blc:
     bm, bn, bk = tile
     k = a.data.shape[1]
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
-    _correction_kernel[grid](out, m, n, out.stride(0),
+    wrap_triton(_correction_kernel)[grid](out, m, n, out.stride(0),
                              a.data, a.side, a.eb, a.scale, a.flags, a.data.shape[0],
                              b.data, b.side, b.eb, b.scale, b.flags, b.data.shape[0], k,
                              BM=bm, BN=bn, BK=min(bk, k), A_BLC=a_blc, A_SHIFT=a_shift, B_BLC=b_blc,

@@ -30,6 +30,7 @@ import math
 import torch
 import triton
 import triton.language as tl
+from torch.library import wrap_triton
 
 from hf_fp4.operands import Operand, OperandPlan, empty_operand, fp8_dmax, fp8_shift
 from hf_fp4.spec import Rounding
@@ -242,7 +243,7 @@ def triton_operands(t: torch.Tensor, plans: tuple[OperandPlan | None, OperandPla
     mu_t = mu.to(torch.float32) if mu is not None else t  # unused pointers get any valid tensor
     signs_t = [s.to(device=dev, dtype=torch.float32) if s is not None else t for s in signs]
     if any(p is not None and p.stat for p in plans):
-        _stats_kernel[(triton.cdiv(R, br), triton.cdiv(C, bc))](
+        wrap_triton(_stats_kernel)[(triton.cdiv(R, br), triton.cdiv(C, bc))](
             t, R, C, t.stride(0), t.stride(1), mu_t, stats[0], signs_t[0], stats[1], signs_t[1],
             BR=br, BC=bc, HAS_MU=mu is not None, EVEN=even, num_warps=warps, **stat_flags)
     args, cover = [], [0, 0]
@@ -256,7 +257,7 @@ def triton_operands(t: torch.Tensor, plans: tuple[OperandPlan | None, OperandPla
         data = op.data.view(torch.uint8) if fp8 else op.data  # FP8 written as bits (NaN = 0x7F)
         side, eb, flags = (op.side.view(torch.uint8), op.eb, op.flags) if fp8 else (t, t, t)
         args += [data, r_alloc, k_alloc, stat, op.scale, seeds[i:], s, side, eb, flags, plan.k_padded(k)]
-    _operand_kernel[(triton.cdiv(cover[0], br), triton.cdiv(cover[1], bc))](
+    wrap_triton(_operand_kernel)[(triton.cdiv(cover[0], br), triton.cdiv(cover[1], bc))](
         t, R, C, t.stride(0), t.stride(1), mu_t, *args, BR=br, BC=bc, HAS_MU=mu is not None, EVEN=even,
         INTERPRETED=dev.type == "cpu", num_warps=warps, **consts)
     return ops

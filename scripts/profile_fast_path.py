@@ -2,11 +2,14 @@
 """Where the fast path's time goes, on the GPU: launch overhead vs kernel time, and a kernel table.
 
     python scripts/profile_fast_path.py [--n 8192] [--only-operand PRESET]   (the latter: for ncu)
+    python scripts/profile_fast_path.py --e2e bf16,mxfp4,nvfp4    (GPU time per kernel of a 1.1B train step)
 
 1. Operand quantization of an n x n bf16 tensor: eager (CUDA events around the Python call, so launch
    overhead counts when the GPU is faster than the host) against the replay of a captured CUDA graph
    (GPU time only).
 2. torch.profiler over FP4Linear forward + backward (4096 x 4096, 8192 tokens): GPU time per kernel.
+3. --e2e: torch.profiler over train steps of bench.py's 1.1B Llama (blocks compiled, default mode):
+   GPU time per kernel, and the busy fraction of the step (host-bound when far below 1).
 """
 from __future__ import annotations
 
@@ -70,8 +73,13 @@ def main():
     p.add_argument("--linear", default="mxfp4,nvfp4")
     p.add_argument("--sweep", action="store_true", help="graph-replay times of the operand kernel per tile")
     p.add_argument("--cprofile", action="store_true", help="host-side profile of one operands() call")
+    p.add_argument("--e2e", default=None, help="comma list of bench.py impl names or presets")
     args = p.parse_args()
     dev = "cuda"
+    if args.e2e:
+        for name in args.e2e.split(","):
+            profile_e2e(name)
+        return
     x = torch.randn(args.n, args.n, device=dev, dtype=torch.bfloat16)
     seeds = torch.tensor([1, 2], device=dev)
     sign = hf_fp4.seeded_signs(16, 0).to(dev)
@@ -123,6 +131,45 @@ def main():
                 step()
             torch.cuda.synchronize()
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+
+
+def profile_e2e(name: str, steps: int = 3) -> None:
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench import LLAMA_1B, build_model
+
+    impl = name if name in ("bf16", "bf16_compiled") or ":" in name else f"hf_fp4:{name}:compiled"
+    torch._dynamo.reset()
+    model, cfg = build_model(impl, LLAMA_1B, "cuda")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    ids = torch.randint(0, cfg.vocab_size, (4, 2048), device="cuda")
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    wall = event_ms(step, 5)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    gpu_ms = sum(e.self_device_time_total for e in events) / 1e3 / steps
+    print(f"\n## {impl}: step {wall:.1f} ms wall, {gpu_ms:.1f} ms of kernels ({gpu_ms / wall:.0%} busy)")
+    print("| kernel | ms per step | share |")
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:18]:
+        ms = e.self_device_time_total / 1e3 / steps
+        print(f"| {e.key[:70]} | {ms:.2f} | {ms / gpu_ms:.0%} |")
+    del model, opt
+    torch.cuda.empty_cache()
 
 
 def sweep(x, seeds, sign):
