@@ -116,7 +116,8 @@ class OperandPlan:
 
 class Operand(NamedTuple):
     """fp32/hp: data only (scale = 1); bf16: data + FP32 tensor scale; fp8: E4M3 data, FP32 row scales, and
-    the lost-block parts (side values, block exponents, row flags; kernels/operand.py). Unused: empty."""
+    the lost-block parts (side values, block exponents, row flags + a last "any row" flag; kernels/operand.py).
+    Unused: empty."""
 
     data: torch.Tensor
     scale: torch.Tensor
@@ -141,7 +142,7 @@ def empty_operand(plan: OperandPlan, rows: int, k: int, device, dtype=torch.floa
                        torch.empty(r, dtype=torch.float32, device=device),
                        torch.empty(r, c, dtype=torch.float8_e4m3fn, device=device),
                        torch.full((r, c // plan.spec.block[1]), -128, dtype=torch.int8, device=device),
-                       torch.zeros(r, dtype=torch.int8, device=device))
+                       torch.zeros(r + 1, dtype=torch.int8, device=device))  # [r]: any row flagged
     return Operand(torch.empty(r, c, dtype=torch.bfloat16, device=device), one, none(), none(), none())
 
 

@@ -143,6 +143,7 @@ def _emit(x, rows, cols, col0, first_k_tile, first_tile, out_ptr, n_rows, n_cols
                      mask=(rows[:, None] < n_rows) & (bcols[None, :] < n_cols // BLC))
             row_lost = tl.max(tl.max(tl.reshape(lost_el.to(tl.int32), [BM, NBK, BLC]), axis=2), axis=1)
             tl.store(flag_ptr + rows, row_lost.to(tl.int8), mask=(rows < n_rows) & (row_lost > 0))
+            tl.store(flag_ptr + n_rows, tl.full([], 1, tl.int8))  # "some row is flagged" (the GEMM's early exit)
     else:
         tl.store(out_ptr + offs, val.to(tl.bfloat16), mask=inside)
 

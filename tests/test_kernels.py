@@ -236,8 +236,9 @@ def test_fp8_gemm_is_exact_with_blocks_below_e4m3_range(name, out_dtype):
     """The FP8 GEMM equals the float64 product of the quantized operands (FP32 accumulation, then one
     rounding to the output dtype), including rows holding blocks E4M3 cannot fold: those tiles are
     recomputed on the device, and only those rows are flagged."""
-    from hf_fp4.kernels.gemm import scaled_mm
+    from hf_fp4.kernels.gemm import correct_lost_tiles, scaled_mm
     from hf_fp4.kernels.operand import triton_operands
+    from hf_fp4.operands import fp8_shift
 
     a, b = _spread_case(48, 40, 96, seed=1)
     spec = QuantSpec.preset(name)
@@ -246,14 +247,30 @@ def test_fp8_gemm_is_exact_with_blocks_below_e4m3_range(name, out_dtype):
     oa, _ = triton_operands(a, (plan, None), seeds)
     ob, _ = triton_operands(b, (plan, None), seeds)
     if spec.block[0] == 1:
-        assert oa.flags.nonzero().flatten().tolist() == [5]
-        assert ob.flags.nonzero().flatten().tolist() == list(range(20))
+        assert oa.flags[:-1].nonzero().flatten().tolist() == [5]
+        assert ob.flags[:-1].nonzero().flatten().tolist() == list(range(20))
+    for op in (oa, ob):  # the last element says whether some row is flagged
+        assert op.flags[-1] == int(op.flags[:-1].any())
+    assert ob.flags[-1] == 1
     qa, qb = reference_operand(a, plan, 0, None).data, reference_operand(b, plan, 0, None).data
     out = gemm(oa, ob, (plan, plan), 48, 40, out_dtype)
     assert out.dtype == out_dtype and out.shape == (48, 40)
     assert_within_accumulation_error(out, qa, qb, name)
     with pytest.raises(AssertionError):  # the FP8 product alone misses the lost blocks: the check can fail
         assert_within_accumulation_error(scaled_mm(oa, ob, 48, 40, out_dtype), qa, qb)
+    # every row flagged, small tiles, two programs: each program walks several tiles (the persistent loop)
+    # and together they overwrite every tile of a garbage output
+    out = torch.full((48, 40), float("nan"), dtype=out_dtype, device=DEV)
+    correct_lost_tiles(out, oa._replace(flags=torch.ones_like(oa.flags)), ob, plan.spec.block[1],
+                       fp8_shift(plan.spec.grid), plan.spec.block[1], fp8_shift(plan.spec.grid),
+                       tile=(16, 16, 32), programs=2)
+    assert_within_accumulation_error(out, qa, qb, name)
+    # only one operand with lost blocks: its flag alone starts the correction
+    clean = torch.randn(48, 96, generator=torch.Generator().manual_seed(3)).to(DEV)
+    oc, _ = triton_operands(clean, (plan, None), seeds)
+    assert not oc.flags.any()
+    qc = reference_operand(clean, plan, 0, None).data
+    assert_within_accumulation_error(gemm(oc, ob, (plan, plan), 48, 40, out_dtype), qc, qb, name)
 
 
 @pytest.mark.parametrize("pair", [("nvfp4", "nvfp4_2d"), ("ufp4", "ufp4"), ("mxfp8", "mxfp8"), ("int4", "int4"),
