@@ -1,0 +1,130 @@
+"""Scale rules at their boundaries: block amax exactly at, one ulp below and one ulp above the values where
+the chosen scale changes -- qmax * 2^k for truncation-free E8M0, 2^m for OCP's floor, an E4M3 rounding tie for
+the two-level block scale.  Expected scales are written from the definitions (RESEARCH.md), the reference
+must give them, and the Triton kernels (interpreted on the CPU) must give the reference's bits."""
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from hf_fp4 import QuantSpec, quantize
+from hf_fp4.formats import Grid, grid_emax, grid_max
+
+GRIDS = [Grid.E2M1, Grid.E1M2, Grid.INT4, Grid.E4M3]
+EXPONENTS = [-20, -3, 0, 5, 30]
+
+
+def f32(v: float) -> float:
+    return float(torch.tensor(v, dtype=torch.float32))
+
+
+def up(v: float) -> float:
+    """The next FP32 value above v (an FP32 value)."""
+    return float(torch.nextafter(torch.tensor(v, dtype=torch.float32), torch.tensor(math.inf)))
+
+
+def down(v: float) -> float:
+    return float(torch.nextafter(torch.tensor(v, dtype=torch.float32), torch.tensor(-math.inf)))
+
+
+def blocks_with_amax(amaxes: list[float], block: int = 32) -> torch.Tensor:
+    """One row per amax: the amax itself (sign alternating) and smaller values below it."""
+    rows = []
+    for i, a in enumerate(amaxes):
+        row = torch.linspace(-0.9, 0.9, block, dtype=torch.float64) * a
+        row[i % block] = a if i % 2 == 0 else -a
+        rows.append(row)
+    return torch.stack(rows).float()
+
+
+def stored_exponents(x: torch.Tensor, spec: QuantSpec) -> list[int]:
+    return (quantize(x, spec).scales.view(torch.uint8).to(torch.int32) - 127).flatten().tolist()
+
+
+def kernel_matches_reference(x: torch.Tensor, spec: QuantSpec) -> None:
+    pytest.importorskip("hf_fp4.kernels.quant")
+    ref, got = quantize(x, spec), quantize(x, spec, backend="triton")
+    assert torch.equal(got.codes, ref.codes)
+    raw = lambda s: s if s.dtype == torch.float32 else s.view(torch.uint8)  # noqa: E731
+    assert torch.equal(raw(got.scales), raw(ref.scales))
+
+
+@pytest.mark.parametrize("grid", GRIDS, ids=lambda g: g.value)
+def test_truncation_free_e8m0_at_and_one_ulp_around_qmax_times_a_power_of_two(grid):
+    """Smallest e with amax <= qmax * 2^e: exactly qmax * 2^k gives k, one ulp above gives k + 1."""
+    spec = QuantSpec(grid=grid, block=(1, 32), scale="e8m0_ceil")
+    qmax = grid_max(grid)
+    amaxes, expected = [], []
+    for k in EXPONENTS:
+        edge = f32(qmax * 2.0**k)
+        amaxes += [edge, up(edge), down(edge)]
+        expected += [k, k + 1, k]
+    x = blocks_with_amax(amaxes)
+    assert [up(v) for v in amaxes[::3]] == amaxes[1::3]  # the neighbours really are one FP32 ulp away
+    assert stored_exponents(x, spec) == expected
+    q = quantize(x, spec)  # nothing saturates: the amax decodes back exactly
+    assert torch.equal(q.dequantize().abs().amax(1)[::3], x.abs().amax(1)[::3])
+    kernel_matches_reference(x, spec)
+
+
+@pytest.mark.parametrize("grid", GRIDS, ids=lambda g: g.value)
+def test_ocp_floor_e8m0_at_and_one_ulp_below_a_power_of_two(grid):
+    """X = 2^(floor(log2 amax) - emax): exactly 2^m gives m - emax, one ulp below gives m - 1 - emax."""
+    spec = QuantSpec(grid=grid, block=(1, 32), scale="e8m0_floor")
+    emax = grid_emax(grid)
+    amaxes, expected = [], []
+    for m in EXPONENTS:
+        amaxes += [2.0**m, down(2.0**m), up(2.0**m)]
+        expected += [m - emax, m - 1 - emax, m - emax]
+    x = blocks_with_amax(amaxes)
+    assert stored_exponents(x, spec) == expected
+    kernel_matches_reference(x, spec)
+
+
+@pytest.mark.parametrize("preset", ["nvfp4", "ufp4"])
+def test_two_level_block_scale_at_an_e4m3_tie_and_just_above(preset):
+    """s_b = e4m3_rne(fp32(amax_b / qmax) * s_enc).  With s_enc a power of two (tensor amax 448 * qmax * 2^-j),
+    amax_b = t * qmax * 2^-j puts the block scale exactly on t: a tie between two E4M3 values goes to the
+    even one; the next FP32 amax_b whose quotient leaves the tie goes to the upper one; the tensor's amax
+    block gets 448."""
+    spec = QuantSpec.preset(preset)
+    qmax, j = grid_max(spec.grid), 6
+    tensor_amax = 448.0 * qmax * 2.0**-j
+    # E4M3 neighbours (1.0, 1.125), (1.125, 1.25) and (12, 13): ties at 1.0625 -> 1.0, 1.1875 -> 1.25, 12.5 -> 12
+    ties = [(1.0625, 1.0, 1.125), (1.1875, 1.25, 1.25), (12.5, 12.0, 13.0)]
+    amaxes, expected = [tensor_amax], [448.0]
+    for t, even, above in ties:
+        a = t * qmax * 2.0**-j
+        assert f32(f32(a) / qmax) * 2.0**j == t  # exactly on the tie
+        b = up(a)
+        while f32(b / qmax) * 2.0**j == t:  # the first amax whose FP32 quotient is above the tie
+            b = up(b)
+        amaxes += [a, b]
+        expected += [even, above]
+    x = blocks_with_amax(amaxes, block=spec.block[1])
+    q = quantize(x, spec)
+    assert q.tensor_scale.item() == 2.0**-j
+    assert q.scales.float().flatten().tolist() == expected
+    kernel_matches_reference(x, spec)
+
+
+@pytest.mark.parametrize("grid", GRIDS, ids=lambda g: g.value)
+def test_ties_between_grid_points_go_to_the_even_code_in_both_backends(grid):
+    """Every midpoint between neighbouring grid magnitudes, at unit scale, rounds to the even code."""
+    spec = QuantSpec(grid=grid, block=(1, 32), scale="e8m0_ceil")
+    qmax = grid_max(grid)
+    from hf_fp4.formats import decode, encode
+
+    table = decode(torch.arange(0, 127 if grid is Grid.E4M3 else 8, dtype=torch.uint8), grid).unique()
+    table = table[torch.isfinite(table)]
+    mids = ((table[1:] + table[:-1]) / 2)[:31]
+    x = torch.zeros(1, 32)
+    x[0, 0] = qmax  # the block amax: scale exponent 0, so the midpoints stay midpoints
+    x[0, 1:1 + mids.numel()] = mids
+    q = quantize(x, spec)
+    assert stored_exponents(x, spec) == [0]
+    codes = encode(mids, grid, "nearest")
+    assert ((codes.to(torch.int32) & 1) == 0).all()  # the definition: ties to the even code
+    assert torch.equal(q.dequantize()[0, 1:1 + mids.numel()], decode(codes, grid))
+    kernel_matches_reference(x, spec)
