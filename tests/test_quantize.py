@@ -130,6 +130,47 @@ def test_stochastic_rounding_is_unbiased_with_truncation_free_scales(preset):
     assert (draws[:50].mean(0) - x).pow(2).mean().sqrt() < (rtn - x).pow(2).mean().sqrt()
 
 
+def recipe_sr_specs():
+    """The stochastic-rounding operand specs the preset recipes use (nvfp4, ufp4, tib)."""
+    from hf_fp4.recipe import PRESET_NAMES, preset
+
+    found = {}
+    for name in PRESET_NAMES:
+        for spec in preset(name).linear.operand_specs():
+            if spec.rounding.value == "stochastic":
+                found[f"{name}:{spec.grid.value}{spec.block[0]}x{spec.block[1]}"] = spec
+    return found
+
+
+SR_SPECS = recipe_sr_specs()
+
+
+@pytest.mark.parametrize("path", ["generator", "philox"])
+@pytest.mark.parametrize("key", sorted(SR_SPECS))
+def test_recipe_sr_operands_are_unbiased_below_saturation(key, path):
+    """E[Q(x)] = x for every element its block scale does not saturate, with the recipes' SR specs, on the
+    torch.Generator path and the Philox path (the kernels' stream; the call index moves the seed)."""
+    assert {k.split(":")[0] for k in SR_SPECS} == {"nvfp4", "ufp4", "tib"}
+    spec = SR_SPECS[key]
+    x = torch.randn(32, 64, generator=torch.Generator().manual_seed(3))
+    g = torch.Generator().manual_seed(4)
+    draws = torch.stack([fake_quantize(x, spec, g) if path == "generator" else fake_quantize(x, spec, seed=1000 + i)
+                         for i in range(SR_DRAWS)])
+    q = quantize(x, spec)
+    d = q.block_decode() * (q.tensor_scale if q.tensor_scale is not None else 1.0)
+    d = d.repeat_interleave(spec.block[0], 0).repeat_interleave(spec.block[1], 1)[: x.shape[0], : x.shape[1]]
+    table = hf_fp4.magnitudes(spec.grid.value)
+    scaled = x.abs() / d
+    free = scaled <= table[-1]  # elements the block scale does not clip
+    assert free.float().mean() > 0.9
+    hi = torch.searchsorted(table, scaled.contiguous()).clamp(1, len(table) - 1)
+    gap = (table[hi] - table[hi - 1]) * d
+    err = ((draws.mean(0) - x) * x.sign() / gap)[free]  # signed away from zero: shrinkage is negative
+    assert abs(err.mean()) < SR_MEAN_REL_TOL / 4   # no systematic bias
+    assert err.abs().mean() < 2 * SR_MEAN_REL_TOL   # each mean within ~1/sqrt(draws) of x
+    assert not torch.equal(draws[0], draws[1])
+
+
 def test_stochastic_rounding_with_saturating_scales_shrinks():
     """The contrast: OCP floor scales clip, so the mean of SR draws shrinks (RESEARCH.md)."""
     x = torch.randn(32, 64, generator=torch.Generator().manual_seed(3))
