@@ -7,11 +7,13 @@
         every checkpoint_every: accelerate save_state into checkpoints/step_<N>/, atomically
 
 Checkpoints hold model, optimizer, scheduler, RNG states (accelerate) and the run state (step, data
-position, SR call counters, non-finite streak); `resume=True` continues from the newest complete one,
-so the remaining losses equal an uninterrupted run's.
+position, SR call counters, non-finite streak) and, in their COMPLETE.json marker, the SHA-256 of every
+file; `resume=True` continues from the newest complete one whose files match (a damaged one is named and
+passed over), so the remaining losses equal an uninterrupted run's.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -145,8 +147,36 @@ def complete_checkpoints(run_dir: Path) -> list[Path]:
     return sorted(ckpts, key=lambda p: int(p.name.split("_")[1]))
 
 
+def file_digests(folder: Path) -> dict[str, str]:
+    """SHA-256 of every file under folder (the marker itself excluded), by relative path."""
+    digests = {}
+    for path in sorted(folder.rglob("*")):
+        if path.is_file() and path.name != COMPLETE:
+            h = hashlib.sha256()
+            with path.open("rb") as f:
+                for chunk in iter(lambda: f.read(1 << 24), b""):
+                    h.update(chunk)
+            digests[str(path.relative_to(folder))] = h.hexdigest()
+    return digests
+
+
+def checkpoint_damage(ckpt: Path) -> str | None:
+    """None when every file the marker lists is there with its checksum; else what is wrong."""
+    recorded = json.loads((ckpt / COMPLETE).read_text()).get("files")
+    if recorded is None:
+        return None  # a checkpoint written before checksums were recorded
+    found = file_digests(ckpt)
+    for name, digest in recorded.items():
+        if name not in found:
+            return f"{name} is missing"
+        if found[name] != digest:
+            return f"{name} does not match its recorded SHA-256 (truncated or corrupted)"
+    return None
+
+
 def check_output_dir(run_dir: Path, cfg: TrainConfig, resume: bool, overwrite: bool) -> Path | None:
-    """Refuse to clobber another run; return the checkpoint to resume from (if any)."""
+    """Refuse to clobber another run; return the checkpoint to resume from (if any): the newest one whose
+    files match their recorded checksums, saying which damaged ones were passed over."""
     has_run = (run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists()
     if overwrite and run_dir.exists():
         shutil.rmtree(run_dir)
@@ -163,7 +193,16 @@ def check_output_dir(run_dir: Path, cfg: TrainConfig, resume: bool, overwrite: b
     if marker["fingerprint"] != run_fingerprint(cfg):
         raise ValueError(f"{ckpts[-1]} belongs to another run (different config); use another --output_dir "
                          "or --overwrite")
-    return ckpts[-1]
+    damaged = []
+    for ckpt in reversed(ckpts):
+        problem = checkpoint_damage(ckpt)
+        if problem is None:
+            if damaged:
+                print(f"hf_fp4: skipping damaged checkpoint(s) {'; '.join(damaged)}; resuming from {ckpt}")
+            return ckpt
+        damaged.append(f"{ckpt}: {problem}")
+    raise RuntimeError("every checkpoint is damaged, nothing to resume from: " + "; ".join(damaged)
+                       + " (--overwrite starts over)")
 
 
 def save_checkpoint(accelerator, run_dir: Path, step: int, cfg: TrainConfig) -> None:
@@ -176,7 +215,8 @@ def save_checkpoint(accelerator, run_dir: Path, step: int, cfg: TrainConfig) -> 
     accelerator.save_state(str(tmp), safe_serialization=True)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        atomic_write_text(tmp / COMPLETE, json.dumps({"step": step, "fingerprint": run_fingerprint(cfg)}))
+        atomic_write_text(tmp / COMPLETE, json.dumps({"step": step, "fingerprint": run_fingerprint(cfg),
+                                                      "files": file_digests(tmp)}))
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)

@@ -149,6 +149,31 @@ def test_sigkill_then_resume_reproduces_the_uninterrupted_losses(corpus_files, t
         assert a["loss"] == b["loss"] and a.get("val_loss") == b.get("val_loss"), (a, b)
 
 
+def test_resume_passes_over_a_damaged_checkpoint_and_says_so(corpus_files, tmp_path, capsys):
+    """A truncated file in the newest checkpoint is found by its recorded SHA-256: resume names it, falls back
+    to the previous checkpoint, and the run ends with the uninterrupted run's losses."""
+    ref = TrainConfig.from_dict(tiny_cfg(corpus_files, tmp_path / "ref", max_steps=6, eval_every=100))
+    trainer.train(ref)
+    cfg = dict(tiny_cfg(corpus_files, tmp_path / "run", max_steps=4, eval_every=100, checkpoint_every=2,
+                        keep_checkpoints=3))
+    trainer.train(TrainConfig.from_dict(cfg))
+    newest = tmp_path / "run" / "checkpoints" / "step_4"
+    weights = max((p for p in newest.rglob("*.safetensors")), key=lambda p: p.stat().st_size)
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    capsys.readouterr()
+    trainer.train(TrainConfig.from_dict({**cfg, "max_steps": 6}), resume=True)
+    out = capsys.readouterr().out
+    assert f"skipping damaged checkpoint(s) {newest}: {weights.relative_to(newest)} does not match" in out
+    assert "resumed from" in out and "step_2 (step 2)" in out
+    got, want = records(tmp_path / "run"), records(tmp_path / "ref")
+    assert [(r["step"], r["loss"]) for r in got if "loss" in r] == [(r["step"], r["loss"]) for r in want if "loss" in r]
+    # with every checkpoint damaged there is nothing to resume: a clear error, nothing deleted
+    for ckpt in (tmp_path / "run" / "checkpoints").glob("step_*"):
+        (ckpt / "random_states_0.pkl").unlink()
+    with pytest.raises(RuntimeError, match="every checkpoint is damaged.*random_states_0.pkl is missing"):
+        trainer.train(TrainConfig.from_dict({**cfg, "max_steps": 8}), resume=True)
+
+
 def test_compare_runs_writes_a_plot_and_a_gap_table(tmp_path):
     for name, recipe, val in (("base", "bf16", 3.0), ("fp4", "nvfp4", 3.06)):
         run = tmp_path / name
