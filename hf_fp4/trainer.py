@@ -212,11 +212,19 @@ def save_checkpoint(accelerator, run_dir: Path, step: int, cfg: TrainConfig) -> 
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp), safe_serialization=True)
-    accelerator.wait_for_everyone()
+    try:
+        accelerator.save_state(str(tmp), safe_serialization=True)
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            atomic_write_text(tmp / COMPLETE, json.dumps({"step": step, "fingerprint": run_fingerprint(cfg),
+                                                          "files": file_digests(tmp)}))
+    except OSError as e:  # e.g. a full disk: the half-written folder goes, the previous checkpoints stay
+        shutil.rmtree(tmp, ignore_errors=True)
+        kept = complete_checkpoints(run_dir)
+        raise RuntimeError(f"writing the step-{step} checkpoint failed ({e}); "
+                           + (f"{kept[-1]} is intact (--resume continues from it)" if kept else
+                              "no earlier checkpoint exists")) from e
     if accelerator.is_main_process:
-        atomic_write_text(tmp / COMPLETE, json.dumps({"step": step, "fingerprint": run_fingerprint(cfg),
-                                                      "files": file_digests(tmp)}))
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)

@@ -174,6 +174,35 @@ def test_resume_passes_over_a_damaged_checkpoint_and_says_so(corpus_files, tmp_p
         trainer.train(TrainConfig.from_dict({**cfg, "max_steps": 8}), resume=True)
 
 
+def test_a_failing_checkpoint_write_keeps_the_previous_one_and_says_so(corpus_files, tmp_path, monkeypatch):
+    """A full disk during the second checkpoint: a clear error naming the intact one, no half-written folder,
+    and --resume continues from the intact checkpoint."""
+    import errno
+
+    from accelerate import Accelerator
+
+    real, calls = Accelerator.save_state, []
+
+    def save_state(self, output_dir=None, **kwargs):
+        calls.append(output_dir)
+        if len(calls) == 2:
+            real(self, output_dir, **kwargs)  # writes part of it, then the disk is full
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, output_dir, **kwargs)
+
+    monkeypatch.setattr(Accelerator, "save_state", save_state)
+    cfg = dict(tiny_cfg(corpus_files, tmp_path / "run", max_steps=6, eval_every=100, checkpoint_every=2,
+                        keep_checkpoints=3))
+    first = tmp_path / "run" / "checkpoints" / "step_2"
+    with pytest.raises(RuntimeError, match=f"step-4 checkpoint failed .*No space left.*{first} is intact"):
+        trainer.train(TrainConfig.from_dict(cfg))
+    assert [p.name for p in (tmp_path / "run" / "checkpoints").iterdir()] == ["step_2"]
+    assert trainer.checkpoint_damage(first) is None
+    monkeypatch.setattr(Accelerator, "save_state", real)
+    trainer.train(TrainConfig.from_dict(cfg), resume=True)
+    assert max(r["step"] for r in records(tmp_path / "run")) == 6
+
+
 def test_compare_runs_writes_a_plot_and_a_gap_table(tmp_path):
     for name, recipe, val in (("base", "bf16", 3.0), ("fp4", "nvfp4", 3.06)):
         run = tmp_path / name
