@@ -7,6 +7,10 @@
 Per quantized operand: gain <Q(a),a>/<a,a>, SQNR (dB), fraction saturated.  For recipes whose weight
 is quantized in 1D blocks, `<layer>/weight_transpose_mismatch` = ||Q(W)^T - Q(W^T)|| / ||W||: how far
 the weight used by dgrad is from the one used by fprop (zero for 2D tiles).
+
+`locate_non_finite(model, step)` reruns a failed step eagerly with hooks on every FP4Linear and names the
+first GEMM that met a NaN/Inf: its layer, the GEMM (fprop, or dgrad + wgrad) and the tensor (x, W, the
+output, dy).  The trainer puts it in the reason of a skipped step.
 """
 from __future__ import annotations
 
@@ -16,8 +20,8 @@ import math
 
 import torch
 
-from .linear import observe_operands
-from .quantize import fake_quantize, quant_error_stats
+from .linear import FP4Linear, observe_operands
+from .quantize import NonFiniteError, fake_quantize, quant_error_stats
 
 
 def operand_stats(operand: torch.Tensor, quantized: torch.Tensor, spec) -> dict[str, float]:
@@ -49,3 +53,49 @@ def collect_diagnostics():
 
     with observe_operands(observe):
         yield stats
+
+
+def _count_bad(t) -> int:
+    return int((~torch.isfinite(t.detach())).sum()) if isinstance(t, torch.Tensor) and t.is_floating_point() else 0
+
+
+def locate_non_finite(model: torch.nn.Module, step) -> str | None:
+    """Run step() (a forward + backward of model) eagerly with hooks on every FP4Linear; return where the
+    first non-finite value entered a quantized GEMM, in execution order, or None if none did."""
+    found: list[str] = []
+
+    def report(name, what, t):
+        n = _count_bad(t)
+        if n and not found:
+            found.append(f"{name}: {what} has {n} NaN/Inf value(s)")
+
+    def pre(name):
+        def hook(module, args):
+            report(name, "fprop input x", args[0])
+            report(name, "fprop/dgrad weight W", module.weight)
+        return hook
+
+    def post(name):
+        def hook(module, args, output):
+            report(name, "fprop output (overflow)", output)
+        return hook
+
+    def backward_pre(name):
+        def hook(module, grad_output):
+            report(name, "dgrad/wgrad input dy", grad_output[0])
+        return hook
+
+    handles = []
+    for name, module in model.named_modules():
+        if isinstance(module, FP4Linear):
+            handles += [module.register_forward_pre_hook(pre(name)), module.register_forward_hook(post(name)),
+                        module.register_full_backward_pre_hook(backward_pre(name))]
+    try:
+        with torch.compiler.set_stance("force_eager"):
+            step()
+    except NonFiniteError:  # the reference quantizer refusing the value the hooks have already named
+        pass
+    finally:
+        for h in handles:
+            h.remove()
+    return found[0] if found else None

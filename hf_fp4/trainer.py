@@ -27,6 +27,7 @@ import yaml
 
 from .convert import fp4_modules, load_rng_state_dict, maybe_refresh_lora_svd, rng_state_dict
 from .data import TokenWindows, atomic_write_text, fingerprint, prepare_data
+from .diagnostics import locate_non_finite
 from .extras import optional
 from .integration import FP4TrainConfig
 from .quantize import NonFiniteError
@@ -128,6 +129,12 @@ def compute_loss(model, tokens: torch.Tensor) -> torch.Tensor:
     logits = model(input_ids=tokens[:, :-1], use_cache=False).logits
     return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
                                              tokens[:, 1:].reshape(-1))
+
+
+def _forward_backward(accelerator, model, tokens) -> None:
+    with accelerator.autocast():
+        loss = compute_loss(model, tokens)
+    loss.backward()
 
 
 @torch.no_grad()
@@ -356,6 +363,10 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> di
             grad_norm = float(accelerator.clip_grad_norm_(params, cfg.grad_clip))
             if not math.isfinite(grad_norm):
                 finite, reason = False, f"gradient norm is {grad_norm}"
+        if not finite and world == 1:  # name the layer and GEMM that met the NaN/Inf (a rerun, eager)
+            where = locate_non_finite(accelerator.unwrap_model(model), lambda: _forward_backward(
+                accelerator, model, tokens))
+            reason += f"; first in a quantized GEMM: {where}" if where else "; no FP4 GEMM input was non-finite"
         state.step += 1
         if finite:
             optimizer.step()

@@ -103,6 +103,39 @@ def test_non_finite_steps_are_skipped_and_a_streak_aborts_with_a_checkpoint(corp
     assert (tmp_path / "b" / "checkpoints" / "step_4" / "COMPLETE.json").exists()
 
 
+def test_bad_steps_that_are_not_consecutive_never_abort(corpus_files, tmp_path, monkeypatch):
+    monkeypatch.setattr(trainer, "locate_non_finite", lambda model, step: None)  # no rerun: calls = micro-steps
+    break_micro_steps(monkeypatch, {2, 4, 6, 8}, lambda loss, model: loss * float("nan"))
+    cfg = TrainConfig.from_dict(tiny_cfg(corpus_files, tmp_path / "a", max_steps=9, max_bad_steps=2,
+                                         eval_every=100))
+    trainer.train(cfg)
+    assert [r["skipped"] for r in records(tmp_path / "a")] == [False, True] * 4 + [False]
+
+
+def test_a_non_finite_weight_is_reported_with_its_layer_and_gemm(corpus_files, tmp_path, monkeypatch):
+    """Step 3 meets an Inf in one FP4Linear's weight (restored before step 4): the skipped step's reason
+    names the layer and the GEMM operand, found by an eager rerun with hooks."""
+    real, calls, saved = trainer.compute_loss, {"n": 0}, {}
+
+    def wrapped(model, tokens):
+        calls["n"] += 1
+        w = model.model.layers[1].mlp.down_proj.weight  # one process: the model itself
+        if calls["n"] == 3:  # step 3 (call 4 is the rerun that locates it)
+            saved["w"] = w.data[0, 5].clone()
+            w.data[0, 5] = float("inf")
+        if calls["n"] == 5:
+            w.data[0, 5] = saved["w"]
+        return real(model, tokens)
+
+    monkeypatch.setattr(trainer, "compute_loss", wrapped)
+    cfg = TrainConfig.from_dict(tiny_cfg(corpus_files, tmp_path / "a", max_steps=5, eval_every=100))
+    trainer.train(cfg)
+    recs = records(tmp_path / "a")
+    assert [r["skipped"] for r in recs] == [False, False, True, False, False]
+    assert recs[2]["reason"].endswith("first in a quantized GEMM: model.layers.1.mlp.down_proj: "
+                                      "fprop/dgrad weight W has 1 NaN/Inf value(s)"), recs[2]["reason"]
+
+
 def test_output_dir_of_another_run_is_refused(corpus_files, tmp_path):
     cfg = TrainConfig.from_dict(tiny_cfg(corpus_files, tmp_path / "run", max_steps=4))
     trainer.train(cfg)
