@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import fnmatch
+import inspect
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -145,6 +146,11 @@ class LinearRecipe:
                      mean_bias_removal: bool | None = None, lora_svd_rank: int | None = None,
                      lora_svd_refresh_every: int | None = None) -> "LinearRecipe":
         """The ablation switches: which GEMMs stay quantized, Hadamard kind/size, element grid, ..."""
+        for key, value, kind in (("hadamard_size", hadamard_size, int), ("mean_bias_removal", mean_bias_removal, bool),
+                                 ("lora_svd_rank", lora_svd_rank, int),
+                                 ("lora_svd_refresh_every", lora_svd_refresh_every, int)):
+            if value is not None and (not isinstance(value, kind) or (kind is int and isinstance(value, bool))):
+                raise ValueError(f"recipe option {key} must be {kind.__name__}, got {type(value).__name__} {value!r}")
         changes: dict[str, Any] = {}
         for name in GEMMS:
             g = self.gemm(name)
@@ -309,6 +315,9 @@ def preset(name: str, **options) -> Recipe:
     """A preset Recipe; `options` are LinearRecipe.with_options switches plus `seed`, `rules`."""
     seed = options.pop("seed", 0)
     rules = options.pop("rules", None)
+    unknown = sorted(set(options) - set(RECIPE_OPTIONS))
+    if unknown:
+        raise ValueError(f"unknown recipe option(s) {unknown}; valid: seed, rules, {', '.join(RECIPE_OPTIONS)}")
     linear = linear_recipe(name)
     if options:
         linear = linear.with_options(**options)
@@ -321,6 +330,8 @@ def preset(name: str, **options) -> Recipe:
 
 
 PRESET_NAMES = tuple(n for n in LINEAR_PRESETS if n != "mxfp8")
+#: The ablation switches preset() accepts (besides seed and rules): LinearRecipe.with_options' keywords.
+RECIPE_OPTIONS = tuple(p for p in inspect.signature(LinearRecipe.with_options).parameters if p != "self")
 
 
 def _spec_label(spec: QuantSpec) -> str:

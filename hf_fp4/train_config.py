@@ -10,7 +10,7 @@ from typing import Any
 
 import yaml
 
-from .recipe import PRESET_NAMES
+from .recipe import PRESET_NAMES, preset
 
 
 @dataclass
@@ -77,6 +77,29 @@ class TrainConfig:
             raise ValueError(f"val_fraction must be in (0, 1), got {self.val_fraction}")
         if "model_type" not in self.model:
             raise ValueError("model needs a model_type (e.g. llama, qwen2)")
+        self._validate_model()
+        preset(self.recipe, seed=self.seed, **self.recipe_options)  # unknown or ill-typed options fail here
+        if isinstance(self.dataset, dict) and "files" in self.dataset:
+            missing = [str(f) for f in self.dataset["files"] if not Path(f).exists()]
+            if missing:
+                raise FileNotFoundError(f"dataset.files: not found: {missing}")
+
+    def _validate_model(self) -> None:
+        """The model's type is one transformers knows, and its attention shapes divide."""
+        from transformers import CONFIG_MAPPING
+
+        kind = self.model["model_type"]
+        if kind not in CONFIG_MAPPING:
+            close = difflib.get_close_matches(str(kind), list(CONFIG_MAPPING.keys()), n=3)
+            raise ValueError(f"model.model_type={kind!r} is not a transformers model type"
+                             + (f" (did you mean {', '.join(map(repr, close))}?)" if close else ""))
+        m = self.model
+        heads, kv = m.get("num_attention_heads"), m.get("num_key_value_heads")
+        if heads and "hidden_size" in m and "head_dim" not in m and m["hidden_size"] % heads:
+            raise ValueError(f"model.hidden_size={m['hidden_size']} is not a multiple of "
+                             f"model.num_attention_heads={heads}")
+        if heads and kv and heads % kv:
+            raise ValueError(f"model.num_attention_heads={heads} is not a multiple of model.num_key_value_heads={kv}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
