@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
-from hf_fp4.operands import Operand, OperandPlan, empty_operand, fp8_dmax, fp8_shift
+from hf_fp4.operand_plan import Operand, OperandPlan, empty_operand, fp8_dmax, fp8_shift
 from hf_fp4.spec import Rounding
 
 from .numerics import (block_max, e8m0_exponent, expand_blocks, grid_constants, hadamard, pow2, round_grid,

@@ -20,7 +20,7 @@ import triton.language as tl
 
 from hf_fp4.formats import Grid
 from hf_fp4.hadamard import padded_width
-from hf_fp4.quantize import NonFiniteError, QuantizedTensor
+from hf_fp4.qtensor import NonFiniteError, QuantizedTensor
 from hf_fp4.scales import ScaleRule
 from hf_fp4.spec import NonFinite, QuantSpec, Rounding
 
