@@ -50,35 +50,32 @@ def kernel_matches_reference(x: torch.Tensor, spec: QuantSpec) -> None:
     assert torch.equal(raw(got.scales), raw(ref.scales))
 
 
-@pytest.mark.parametrize("grid", GRIDS, ids=lambda g: g.value)
-def test_truncation_free_e8m0_at_and_one_ulp_around_qmax_times_a_power_of_two(grid):
-    """Smallest e with amax <= qmax * 2^e: exactly qmax * 2^k gives k, one ulp above gives k + 1."""
-    spec = QuantSpec(grid=grid, block=(1, 32), scale="e8m0_ceil")
-    qmax = grid_max(grid)
-    amaxes, expected = [], []
+def e8m0_edges(rule: str, grid: Grid) -> list[tuple[float, int]]:
+    """(block amax, the scale exponent its definition gives) at, and one FP32 ulp around, the values where
+    the exponent changes: qmax * 2^k for the truncation-free rule (smallest e with amax <= qmax * 2^e),
+    2^m for OCP's floor (floor(log2 amax) - emax)."""
+    cases = []
     for k in EXPONENTS:
-        edge = f32(qmax * 2.0**k)
-        amaxes += [edge, up(edge), down(edge)]
-        expected += [k, k + 1, k]
-    x = blocks_with_amax(amaxes)
-    assert [up(v) for v in amaxes[::3]] == amaxes[1::3]  # the neighbours really are one FP32 ulp away
-    assert stored_exponents(x, spec) == expected
-    q = quantize(x, spec)  # nothing saturates: the amax decodes back exactly
-    assert torch.equal(q.dequantize().abs().amax(1)[::3], x.abs().amax(1)[::3])
-    kernel_matches_reference(x, spec)
+        if rule == "e8m0_ceil":
+            edge = f32(grid_max(grid) * 2.0**k)
+            cases += [(edge, k), (up(edge), k + 1), (down(edge), k)]
+        else:
+            e = k - grid_emax(grid)
+            cases += [(2.0**k, e), (down(2.0**k), e - 1), (up(2.0**k), e)]
+    return cases
 
 
+@pytest.mark.parametrize("rule", ["e8m0_ceil", "e8m0_floor"])
 @pytest.mark.parametrize("grid", GRIDS, ids=lambda g: g.value)
-def test_ocp_floor_e8m0_at_and_one_ulp_below_a_power_of_two(grid):
-    """X = 2^(floor(log2 amax) - emax): exactly 2^m gives m - emax, one ulp below gives m - 1 - emax."""
-    spec = QuantSpec(grid=grid, block=(1, 32), scale="e8m0_floor")
-    emax = grid_emax(grid)
-    amaxes, expected = [], []
-    for m in EXPONENTS:
-        amaxes += [2.0**m, down(2.0**m), up(2.0**m)]
-        expected += [m - emax, m - 1 - emax, m - emax]
-    x = blocks_with_amax(amaxes)
-    assert stored_exponents(x, spec) == expected
+def test_e8m0_scale_at_and_one_ulp_around_where_it_changes(rule, grid):
+    spec = QuantSpec(grid=grid, block=(1, 32), scale=rule)
+    amaxes, expected = zip(*e8m0_edges(rule, grid))
+    assert [up(v) for v in amaxes[::3]] == list(amaxes[1 + (rule == "e8m0_floor")::3])  # one FP32 ulp away
+    x = blocks_with_amax(list(amaxes))
+    assert stored_exponents(x, spec) == list(expected)
+    if rule == "e8m0_ceil":  # nothing saturates: the amax decodes back exactly
+        q = quantize(x, spec)
+        assert torch.equal(q.dequantize().abs().amax(1)[::3], x.abs().amax(1)[::3])
     kernel_matches_reference(x, spec)
 
 
