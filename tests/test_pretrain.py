@@ -236,6 +236,36 @@ def test_a_failing_checkpoint_write_keeps_the_previous_one_and_says_so(corpus_fi
     assert max(r["step"] for r in records(tmp_path / "run")) == 6
 
 
+def test_lora_svd_refresh_during_training_resumes_exactly(corpus_files, tmp_path, monkeypatch):
+    """LoRA-SVD layers re-split every 3 optimizer steps; a run stopped right after its step-4 checkpoint (one
+    refresh behind it, one ahead) and resumed ends with the uninterrupted run's losses."""
+    from hf_fp4 import convert
+
+    refreshed = []
+    real_refresh, real_save = convert.maybe_refresh_lora_svd, trainer.save_checkpoint
+    monkeypatch.setattr(trainer, "maybe_refresh_lora_svd",
+                        lambda model, step: refreshed.append(step) if real_refresh(model, step) else False)
+    options = {"recipe": "nvfp4", "recipe_options": {"lora_svd_rank": 4, "lora_svd_refresh_every": 3},
+               "eval_every": 100, "max_steps": 8}
+    trainer.train(TrainConfig.from_dict(tiny_cfg(corpus_files, tmp_path / "ref", **options)))
+    assert refreshed == [3, 6]
+
+    def save_then_stop(accelerator, run_dir, step, cfg):
+        real_save(accelerator, run_dir, step, cfg)
+        if step == 4:
+            raise KeyboardInterrupt  # the process dies right after the checkpoint
+
+    monkeypatch.setattr(trainer, "save_checkpoint", save_then_stop)
+    cfg = TrainConfig.from_dict(tiny_cfg(corpus_files, tmp_path / "run", **options))
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train(cfg)
+    monkeypatch.setattr(trainer, "save_checkpoint", real_save)
+    trainer.train(cfg, resume=True)
+    assert refreshed == [3, 6, 3, 6]
+    got, want = records(tmp_path / "run"), records(tmp_path / "ref")
+    assert [(r["step"], r["loss"]) for r in got if "loss" in r] == [(r["step"], r["loss"]) for r in want if "loss" in r]
+
+
 def test_compare_runs_writes_a_plot_and_a_gap_table(tmp_path):
     for name, recipe, val in (("base", "bf16", 3.0), ("fp4", "nvfp4", 3.06)):
         run = tmp_path / name
