@@ -22,5 +22,6 @@ LINEAR_SQNR_MIN_DB = {
     "tib": {"fprop": 13.0, "dgrad": 12.0, "wgrad": 11.0},
 }
 
-# LoRA-SVD: the split must reduce the weight error by at least this factor (measured ~1.1-1.5x).
-LORA_SVD_MIN_IMPROVEMENT = 1.0
+# LoRA-SVD: the split must reduce the weight error by at least this factor.  Measured for the test's weight
+# (N(0,1) plus a strong rank-4 part, nvfp4_2d, rank 8): 6.91-7.32x over seeds 0-4 (7.03x at the test's seed 0).
+LORA_SVD_MIN_IMPROVEMENT = 6.0
