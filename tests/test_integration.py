@@ -97,6 +97,42 @@ def test_peft_lora_trains_on_a_converted_model():
     assert isinstance(base, FP4Linear)
 
 
+def test_peft_keeps_the_fp4_base_frozen_and_quantized_merges_and_reloads(tmp_path):
+    """The base FP4Linear stays frozen and keeps quantizing (with B = 0 the adapted model computes exactly what
+    the FP4 model does); after training, the adapter saves and loads onto a fresh FP4 model with identical
+    outputs, and merging adds scale * B A to the base weight (then quantized like any weight)."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    def fp4_model():
+        torch.manual_seed(0)
+        return AutoModelForCausalLM.from_config(tiny_config(), quantization_config=FP4TrainConfig("nvfp4"))
+
+    reference = fp4_model()
+    model = fp4_model()
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():
+        assert torch.equal(peft_model(**batch()).logits, reference(**batch()).logits)
+    q = peft_model.base_model.model.model.layers[0].self_attn.q_proj
+    w0 = q.base_layer.weight.detach().clone()
+    opt = torch.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad], lr=1e-2)
+    for step in range(2):
+        peft_model(**batch(step)).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    assert q.base_layer.weight.grad is None and torch.equal(q.base_layer.weight, w0)  # frozen
+    assert not torch.equal(q.lora_B["default"].weight, torch.zeros_like(q.lora_B["default"].weight))
+    with torch.no_grad():
+        trained = peft_model(**batch(5)).logits
+    peft_model.save_pretrained(tmp_path / "adapter")
+    reloaded = PeftModel.from_pretrained(fp4_model(), tmp_path / "adapter")
+    with torch.no_grad():
+        assert torch.equal(reloaded(**batch(5)).logits, trained)
+    delta = q.get_delta_weight("default").detach().clone()
+    merged = peft_model.merge_and_unload()
+    layer = merged.model.layers[0].self_attn.q_proj
+    assert isinstance(layer, FP4Linear) and torch.equal(layer.weight.detach(), w0 + delta)
+
+
 def test_hf_trainer_accepts_and_trains_the_model(tmp_path):
     from datasets import Dataset
     from transformers import Trainer, TrainingArguments
