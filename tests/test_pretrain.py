@@ -236,34 +236,67 @@ def test_a_failing_checkpoint_write_keeps_the_previous_one_and_says_so(corpus_fi
     assert max(r["step"] for r in records(tmp_path / "run")) == 6
 
 
+def stop_after_checkpoint(monkeypatch, at_step: int):
+    """Make training die (KeyboardInterrupt) right after writing the step-`at_step` checkpoint; returns a
+    function that undoes it."""
+    real_save = trainer.save_checkpoint
+
+    def save_then_stop(accelerator, run_dir, step, cfg):
+        real_save(accelerator, run_dir, step, cfg)
+        if step == at_step:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(trainer, "save_checkpoint", save_then_stop)
+    return lambda: monkeypatch.setattr(trainer, "save_checkpoint", real_save)
+
+
+def losses(run_dir):
+    return [(r["step"], r["loss"]) for r in records(run_dir) if "loss" in r]
+
+
 def test_lora_svd_refresh_during_training_resumes_exactly(corpus_files, tmp_path, monkeypatch):
     """LoRA-SVD layers re-split every 3 optimizer steps; a run stopped right after its step-4 checkpoint (one
     refresh behind it, one ahead) and resumed ends with the uninterrupted run's losses."""
     from hf_fp4 import convert
 
     refreshed = []
-    real_refresh, real_save = convert.maybe_refresh_lora_svd, trainer.save_checkpoint
+    real_refresh = convert.maybe_refresh_lora_svd
     monkeypatch.setattr(trainer, "maybe_refresh_lora_svd",
                         lambda model, step: refreshed.append(step) if real_refresh(model, step) else False)
     options = {"recipe": "nvfp4", "recipe_options": {"lora_svd_rank": 4, "lora_svd_refresh_every": 3},
                "eval_every": 100, "max_steps": 8}
     trainer.train(TrainConfig.from_dict(tiny_cfg(corpus_files, tmp_path / "ref", **options)))
     assert refreshed == [3, 6]
-
-    def save_then_stop(accelerator, run_dir, step, cfg):
-        real_save(accelerator, run_dir, step, cfg)
-        if step == 4:
-            raise KeyboardInterrupt  # the process dies right after the checkpoint
-
-    monkeypatch.setattr(trainer, "save_checkpoint", save_then_stop)
+    undo = stop_after_checkpoint(monkeypatch, 4)
     cfg = TrainConfig.from_dict(tiny_cfg(corpus_files, tmp_path / "run", **options))
     with pytest.raises(KeyboardInterrupt):
         trainer.train(cfg)
-    monkeypatch.setattr(trainer, "save_checkpoint", real_save)
+    undo()
     trainer.train(cfg, resume=True)
     assert refreshed == [3, 6, 3, 6]
-    got, want = records(tmp_path / "run"), records(tmp_path / "ref")
-    assert [(r["step"], r["loss"]) for r in got if "loss" in r] == [(r["step"], r["loss"]) for r in want if "loss" in r]
+    assert losses(tmp_path / "run") == losses(tmp_path / "ref")
+
+
+def test_a_checkpoint_killed_mid_write_is_never_loaded(corpus_files, tmp_path, monkeypatch):
+    """What a kill during a checkpoint write leaves -- a half-written temporary folder, or (from a copy or an
+    older layout) a step folder without its COMPLETE marker -- is ignored on resume and cleaned up."""
+    options = {"eval_every": 100, "max_steps": 6, "checkpoint_every": 2, "keep_checkpoints": 5}
+    trainer.train(TrainConfig.from_dict(tiny_cfg(corpus_files, tmp_path / "ref", **options)))
+    undo = stop_after_checkpoint(monkeypatch, 2)
+    cfg = TrainConfig.from_dict(tiny_cfg(corpus_files, tmp_path / "run", **options))
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train(cfg)
+    undo()
+    ckpts = tmp_path / "run" / "checkpoints"
+    (ckpts / ".tmp_step_4").mkdir()
+    (ckpts / ".tmp_step_4" / "model.safetensors").write_bytes(b"\0" * 100)  # killed mid-write
+    (ckpts / "step_9").mkdir()
+    (ckpts / "step_9" / "model.safetensors").write_bytes(b"\0" * 100)  # no COMPLETE marker
+    trainer.train(cfg, resume=True)
+    assert losses(tmp_path / "run") == losses(tmp_path / "ref")
+    assert not (ckpts / ".tmp_step_4").exists()  # the next write at step 4 replaced it
+    assert sorted(p.name for p in ckpts.iterdir() if (p / trainer.COMPLETE).exists()) == ["step_2", "step_4",
+                                                                                           "step_6"]
 
 
 def test_compare_runs_writes_a_plot_and_a_gap_table(tmp_path):
