@@ -85,6 +85,20 @@ def test_stochastic_rounding_gives_neighbours(grid):
     assert (torch.sign(sr) * torch.sign(x) >= 0).all()
 
 
+@pytest.mark.parametrize("grid", ["e2m1", "e1m2", "int4"])
+def test_stochastic_rounding_goes_up_iff_the_noise_is_below_the_fraction(grid):
+    """Upper neighbour iff noise < (m - lo) / (hi - lo), strictly: with noise uniform on multiples of 2^-24 in
+    [0, 1), P(up) is then exactly the fraction (unbiased); noise equal to the fraction stays down."""
+    table = decode(torch.arange(8, dtype=torch.uint8), grid)
+    lo, hi = table[:-1], table[1:]
+    for frac in (0.25, 0.5, 0.75):
+        m = lo + frac * (hi - lo)  # exact: grid steps are powers of two
+        at = torch.full_like(m, frac)
+        below = torch.nextafter(at, torch.zeros_like(at))
+        assert torch.equal(round_to_grid(m, grid, "stochastic", at), lo)
+        assert torch.equal(round_to_grid(m, grid, "stochastic", below), hi)
+
+
 def test_unknown_grid_lists_valid_names():
     with pytest.raises(ValueError, match="e2m1, e1m2, int4, e4m3"):
         encode(torch.zeros(2), "fp5")
