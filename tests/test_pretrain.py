@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from hf_fp4 import trainer
@@ -297,6 +298,24 @@ def test_a_checkpoint_killed_mid_write_is_never_loaded(corpus_files, tmp_path, m
     assert not (ckpts / ".tmp_step_4").exists()  # the next write at step 4 replaced it
     assert sorted(p.name for p in ckpts.iterdir() if (p / trainer.COMPLETE).exists()) == ["step_2", "step_4",
                                                                                            "step_6"]
+
+
+def test_gradients_reach_the_optimizer_clipped_to_grad_clip(corpus_files, tmp_path, monkeypatch):
+    """The optimizer sees gradients of total norm <= grad_clip, while the log keeps the norm before clipping."""
+    seen = []
+    real_step = torch.optim.AdamW.step
+
+    def step(self, *args, **kwargs):
+        grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
+        seen.append(float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))))
+        return real_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", step)
+    trainer.train(TrainConfig.from_dict(tiny_cfg(corpus_files, tmp_path / "a", max_steps=3, eval_every=100,
+                                                 grad_clip=0.05)))
+    logged = [r["grad_norm"] for r in records(tmp_path / "a")]
+    assert len(seen) == 3 and all(n > 0.05 for n in logged)  # every step needed clipping ...
+    assert all(abs(n - 0.05) < 1e-4 for n in seen), seen  # ... and got it
 
 
 def test_compare_runs_writes_a_plot_and_a_gap_table(tmp_path):
