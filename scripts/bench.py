@@ -292,6 +292,21 @@ def build_model(name, cfg_kwargs, dev):
     return model, cfg
 
 
+def train_step(model, dev):
+    """(step(ids), optimizer): one train step -- bf16 autocast on GPU, fused AdamW, no KV cache (a cache
+    makes every compiled block recompile per layer)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=dev == "cuda")
+
+    def step(ids):
+        with torch.autocast(dev, dtype=torch.bfloat16, enabled=dev == "cuda"):
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step, opt
+
+
 def bench_e2e(dev, label, cfg_kwargs, batch, seq, steps, results, names, save=lambda: None):
     """Train steps of one model per impl; save() after each impl (a long run keeps what it measured)."""
     table, base = [], None
@@ -300,16 +315,8 @@ def bench_e2e(dev, label, cfg_kwargs, batch, seq, steps, results, names, save=la
         model, cfg = build_model(name, cfg_kwargs, dev)
         if model is None:
             continue
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=dev == "cuda")
+        step, opt = train_step(model, dev)
         inputs = [(torch.randint(0, cfg.vocab_size, (batch, seq), device=dev),) for _ in range(3)]
-
-        def step(ids):
-            with torch.autocast(dev, dtype=torch.bfloat16, enabled=dev == "cuda"):
-                loss = model(input_ids=ids, labels=ids, use_cache=False).loss  # a cache recompiles each block
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
         t0 = time.perf_counter()
         ms = timed(step, inputs, warmup=3, reps=steps, graphs=name.endswith("graphs"))
         tps = batch * seq / (ms / 1e3)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 
 import torch
 from torch import nn
@@ -138,21 +139,14 @@ def profile_e2e(name: str, steps: int = 3) -> None:
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from bench import LLAMA_1B, build_model
+    from bench import LLAMA_1B, build_model, train_step
 
     impl = name if name in ("bf16", "bf16_compiled") or ":" in name else f"hf_fp4:{name}:compiled"
     torch._dynamo.reset()
     model, cfg = build_model(impl, LLAMA_1B, "cuda")
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    train, opt = train_step(model, "cuda")
     ids = torch.randint(0, cfg.vocab_size, (4, 2048), device="cuda")
-
-    def step():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
+    step = functools.partial(train, ids)
     for _ in range(3):
         step()
     torch.cuda.synchronize()
