@@ -38,6 +38,11 @@ def records(run_dir):
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line]
 
 
+def losses(run_dir):
+    """(step, training loss) of every logged step of a run."""
+    return [(r["step"], r["loss"]) for r in records(run_dir) if "loss" in r]
+
+
 def run_script(args, env, **kw):
     return subprocess.Popen([sys.executable, str(ROOT / "scripts" / "pretrain.py"), *args], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
@@ -199,8 +204,7 @@ def test_resume_passes_over_a_damaged_checkpoint_and_says_so(corpus_files, tmp_p
     out = capsys.readouterr().out
     assert f"skipping damaged checkpoint(s) {newest}: {weights.relative_to(newest)} does not match" in out
     assert "resumed from" in out and "step_2 (step 2)" in out
-    got, want = records(tmp_path / "run"), records(tmp_path / "ref")
-    assert [(r["step"], r["loss"]) for r in got if "loss" in r] == [(r["step"], r["loss"]) for r in want if "loss" in r]
+    assert losses(tmp_path / "run") == losses(tmp_path / "ref")
     # with every checkpoint damaged there is nothing to resume: a clear error, nothing deleted
     for ckpt in (tmp_path / "run" / "checkpoints").glob("step_*"):
         (ckpt / "random_states_0.pkl").unlink()
@@ -249,10 +253,6 @@ def stop_after_checkpoint(monkeypatch, at_step: int):
 
     monkeypatch.setattr(trainer, "save_checkpoint", save_then_stop)
     return lambda: monkeypatch.setattr(trainer, "save_checkpoint", real_save)
-
-
-def losses(run_dir):
-    return [(r["step"], r["loss"]) for r in records(run_dir) if "loss" in r]
 
 
 def test_lora_svd_refresh_during_training_resumes_exactly(corpus_files, tmp_path, monkeypatch):
