@@ -49,6 +49,18 @@ def observe_operands(fn: Callable):
         _OBSERVERS.remove(fn)
 
 
+_SHARED: dict = {}
+
+
+def _shared_tensor(t: torch.Tensor, device) -> torch.Tensor:
+    """One device tensor per distinct value (fixed Hadamard signs): layers with equal signs pass the same
+    tensor, which torch.compile sees as one input (see FP4LinearFunction.forward)."""
+    key = (t.dtype, tuple(t.shape), t.cpu().numpy().tobytes(), str(torch.device(device)))
+    if key not in _SHARED:
+        _SHARED[key] = t.to(device)
+    return _SHARED[key]
+
+
 def _crc(*parts) -> int:
     return zlib.crc32("/".join(str(p) for p in parts).encode())
 
@@ -225,7 +237,7 @@ class FP4Linear(nn.Linear):
         dev = step.device
         self._step = step
         self._seed_bases = torch.tensor(self._bases, dtype=torch.int64, device=dev)
-        self._fixed_signs = {g: s.to(dev) if s is not None else None for g, s in self._signs_cpu.items()}
+        self._fixed_signs = {g: _shared_tensor(s, dev) if s is not None else None for g, s in self._signs_cpu.items()}
 
     def _apply(self, fn, recurse=True):
         """Module.to()/cuda()/to_empty() move the RNG state too (a counter never held on meta starts at 0)."""
@@ -313,7 +325,11 @@ class FP4LinearFunction(torch.autograd.Function):
         n, k = weight.shape
         x2 = x.reshape(-1, k)
         mu = x2.float().mean(0) if plan.mean_bias else None
-        ox, oxt = _tensor_operands(x2, plan, seeds[0:2], signs, mu, need[1], "x", observer)
+        # Layers that share an input (q/k/v, gate/up) and round it deterministically make identical operands of
+        # it: with seeds that are the same constant for all of them (and shared sign vectors), torch.compile's
+        # common-subexpression elimination quantizes x once for all of them.
+        x_seeds = seeds[0:2] if plan.seeded("x") else torch.zeros(2, dtype=seeds.dtype, device=seeds.device)
+        ox, oxt = _tensor_operands(x2, plan, x_seeds, signs, mu, need[1], "x", observer)
         ow, owt = _tensor_operands(weight, plan, seeds[2:4], signs, None, need[0], "w", observer)
         # fprop: y = Q(x) Q(W)^T    [T,K] @ [K,N] -> [T,N]
         if plan.forms[0] == "hp" and mu is None:
@@ -325,7 +341,7 @@ class FP4LinearFunction(torch.autograd.Function):
             if bias is not None:
                 y = y + bias
         ctx.plan, ctx.observer = plan, observer
-        ctx.shapes = (x.shape, x.dtype, bias is not None, x2.shape[0], n, k, weight.dtype)
+        ctx.shapes = (x.shape, x.dtype, bias is not None, x2.shape[0], n, k, weight.dtype, out_dtype)
         saved = list(oxt or ()) + list(owt or ())
         ctx.n_x, ctx.n_w = len(oxt or ()), len(owt or ())
         ctx.save_for_backward(seeds, mu, *signs, *saved)
@@ -338,7 +354,7 @@ class FP4LinearFunction(torch.autograd.Function):
             raise RuntimeError("a packed FP4 export holds the quantized (rotated) fprop weight only and is for "
                                "inference; train from the training checkpoint (pretrain.py's final/) or the bf16 "
                                "export instead")
-        x_shape, x_dtype, has_bias, t, n, k, w_dtype = ctx.shapes
+        x_shape, x_dtype, has_bias, t, n, k, w_dtype, act_dtype = ctx.shapes
         seeds, mu, *rest = ctx.saved_tensors
         signs, saved = tuple(rest[:len(GEMMS)]), rest[len(GEMMS):]
         oxt = _operand(saved[:ctx.n_x])
@@ -349,12 +365,14 @@ class FP4LinearFunction(torch.autograd.Function):
         dx = dw = db = None
         if need_dx:
             # dgrad: dx = Q(dy) Q(W^T)^T    [T,N] @ [N,K] -> [T,K]
-            dx = gemm(ody, owt, (plan.dy[0], plan.w[1]), t, k, x_dtype).reshape(x_shape)
+            # (outputs in the activation dtype, as nn.Linear's under autocast, then in the input's dtype)
+            dx = gemm(ody, owt, (plan.dy[0], plan.w[1]), t, k, act_dtype).to(x_dtype).reshape(x_shape)
         if need_dw:
             # wgrad: dW = Q(dy^T) Q(x^T)^T    [N,T] @ [T,K] -> [N,K]
-            dw = gemm(odyt, oxt, (plan.dy[1], plan.x[1]), n, k, torch.float32 if mu is not None else w_dtype)
+            dw = gemm(odyt, oxt, (plan.dy[1], plan.x[1]), n, k, torch.float32 if mu is not None else act_dtype)
             if mu is not None:
-                dw = (dw + dy2.float().sum(0)[:, None] * mu[None, :]).to(w_dtype)
+                dw = dw + dy2.float().sum(0)[:, None] * mu[None, :]
+            dw = dw.to(w_dtype)
         if has_bias and ctx.needs_input_grad[2]:
             db = dy2.sum(0).to(w_dtype)
         return dx, dw, db, None, None, None, None, None, None

@@ -12,7 +12,7 @@ import torch
 from .formats import FLOAT_PARAMS, Grid, grid_max
 from .hadamard import padded_width
 from .scales import ScaleRule
-from .spec import QuantSpec
+from .spec import QuantSpec, Rounding
 
 FORMS = ("hp", "fp32", "fp8", "bf16")
 #: The forms the Triton kernels make (the others: "hp" is the tensor itself, "fp32" the reference values).
@@ -71,6 +71,11 @@ class OperandPlan:
     def shape(self, rows: int, k: int) -> tuple[int, int]:
         """Allocated [rows, k] of a fast operand: rows to 16, k to the GEMM's alignment."""
         return round_up(rows, 16), round_up(k, self.k_align)
+
+    @property
+    def stochastic(self) -> bool:
+        """Whether the operand draws stochastic-rounding noise (its seed matters)."""
+        return self.spec is not None and self.spec.rounding is Rounding.STOCHASTIC
 
     def k_padded(self, k: int) -> int:
         """The reference's padded contraction length (SR noise offsets)."""

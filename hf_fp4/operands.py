@@ -210,6 +210,10 @@ class LinearPlan:
     def key(self, tensor: str, both: bool) -> str:
         return self.keys[(tensor, both)]
 
+    def seeded(self, tensor: str) -> bool:
+        """Whether an orientation of `tensor` ("x", "w", "dy") rounds stochastically (its seeds matter)."""
+        return any(p is not None and p.stochastic for p in getattr(self, tensor))
+
     @classmethod
     def build(cls, recipe: LinearRecipe, backend: str, frozen_weight: bool = False) -> "LinearPlan":
         """backend: "reference" (FP32 fake quantization) or "triton" (fast forms)."""

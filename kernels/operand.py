@@ -40,13 +40,16 @@ from .numerics import (block_max, e8m0_exponent, expand_blocks, grid_constants, 
 from .quant import SCALE_CODES, load_tile
 
 @triton.jit
+def _finite_abs(x):
+    a = tl.abs(x)
+    return tl.where(a < float("inf"), a, 0.0)  # the reference zeroes non-finite values first (NaN < inf is false)
+
+
+@triton.jit
 def _stat(x, stat_ptr, rows, n_rows, signs_ptr, BM: tl.constexpr, BK: tl.constexpr, STAT: tl.constexpr,
           H: tl.constexpr, HSCALE: tl.constexpr, HAS_SIGNS: tl.constexpr):
-    """Reduce one orientation's statistic from its [BM, BK] tile (rows = operand rows)."""
-    if H > 0:
-        x = hadamard(x, signs_ptr, BM, BK, H, HSCALE, HAS_SIGNS)
-    a = tl.abs(x)
-    a = tl.where(a < float("inf"), a, 0.0)  # the reference zeroes non-finite values first (NaN < inf is false)
+    """Reduce one rotated orientation's statistic from its [BM, BK] tile (rows = operand rows)."""
+    a = _finite_abs(hadamard(x, signs_ptr, BM, BK, H, HSCALE, HAS_SIGNS))
     row_max = tl.max(a, axis=1)
     if STAT == 1:
         tl.atomic_max(stat_ptr + rows, row_max, mask=rows < n_rows)
@@ -59,13 +62,30 @@ def _stats_kernel(t_ptr, R, C, s_r, s_c, mu_ptr, a_stat, a_signs, b_stat, b_sign
                   BR: tl.constexpr, BC: tl.constexpr, HAS_MU: tl.constexpr, EVEN: tl.constexpr,
                   A_STAT: tl.constexpr, A_H: tl.constexpr, A_HSCALE: tl.constexpr, A_SIGNS: tl.constexpr,
                   B_STAT: tl.constexpr, B_H: tl.constexpr, B_HSCALE: tl.constexpr, B_SIGNS: tl.constexpr):
+    """Per-row / tensor amax of each orientation from one read of t.  An orientation without a Hadamard
+    reduces the tile where it lies (B's rows are t's columns: a max over axis 0, no transpose), and a
+    tensor amax common to both is reduced once."""
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     cols = tl.program_id(1) * BC + tl.arange(0, BC)
     x = load_tile(t_ptr, rows, cols, R, C, s_r, s_c, mu_ptr, HAS_MU, EVEN)
+    PLAIN: tl.constexpr = (A_STAT > 0 and A_H == 0) or (B_STAT > 0 and B_H == 0)
+    if PLAIN:
+        a = _finite_abs(x)
+        row_max = tl.max(a, axis=1)
     if A_STAT > 0:
-        _stat(x, a_stat, rows, R, a_signs, BR, BC, A_STAT, A_H, A_HSCALE, A_SIGNS)
+        if A_H > 0:
+            _stat(x, a_stat, rows, R, a_signs, BR, BC, A_STAT, A_H, A_HSCALE, A_SIGNS)
+        elif A_STAT == 1:
+            tl.atomic_max(a_stat + rows, row_max, mask=rows < R)
+        else:
+            tl.atomic_max(a_stat, tl.max(row_max, axis=0))
     if B_STAT > 0:
-        _stat(tl.trans(x), b_stat, cols, C, b_signs, BC, BR, B_STAT, B_H, B_HSCALE, B_SIGNS)
+        if B_H > 0:
+            _stat(tl.trans(x), b_stat, cols, C, b_signs, BC, BR, B_STAT, B_H, B_HSCALE, B_SIGNS)
+        elif B_STAT == 1:
+            tl.atomic_max(b_stat + cols, tl.max(a, axis=0), mask=cols < C)
+        else:
+            tl.atomic_max(b_stat, tl.max(row_max, axis=0))
 
 
 @triton.jit
@@ -153,7 +173,7 @@ def _operand_kernel(t_ptr, R, C, s_r, s_c, mu_ptr,
                     a_out, a_rows, a_cols, a_stat, a_scale, a_seed, a_signs, a_side, a_eb, a_flags, a_kp,
                     b_out, b_rows, b_cols, b_stat, b_scale, b_seed, b_signs, b_side, b_eb, b_flags, b_kp,
                     BR: tl.constexpr, BC: tl.constexpr, HAS_MU: tl.constexpr, EVEN: tl.constexpr,
-                    INTERPRETED: tl.constexpr,
+                    INTERPRETED: tl.constexpr, RELOAD: tl.constexpr,
                     A_ON: tl.constexpr, A_BLR: tl.constexpr, A_BLC: tl.constexpr, A_GRID: tl.constexpr,
                     A_QMAX: tl.constexpr, A_QM: tl.constexpr, A_QE: tl.constexpr, A_EMAX: tl.constexpr,
                     A_SCALE: tl.constexpr, A_SR: tl.constexpr, A_H: tl.constexpr, A_HSCALE: tl.constexpr,
@@ -172,7 +192,14 @@ def _operand_kernel(t_ptr, R, C, s_r, s_c, mu_ptr,
               a_side, a_eb, a_flags, a_kp, BR, BC, A_BLR, A_BLC, A_GRID, A_QMAX, A_QM, A_QE, A_EMAX, A_SCALE, A_SR,
               A_H, A_HSCALE, A_SIGNS, A_FP8, A_SHIFT, A_DMAX, EVEN, INTERPRETED)
     if B_ON:
-        _emit(tl.trans(x), cols, rows, pid_r * BR, pid_r == 0, first, b_out, b_rows, b_cols, b_stat, b_scale,
+        if RELOAD:  # the transposed tile from a second load (an L1/L2 hit) instead of a register transpose
+            xt = load_tile(t_ptr, cols, rows, C, R, s_c, s_r, mu_ptr, False, EVEN)
+            if HAS_MU:
+                mu = tl.load(mu_ptr + cols, mask=cols < C, other=0.0)
+                xt = tl.where((cols[:, None] < C) & (rows[None, :] < R), xt - mu[:, None], 0.0)
+        else:
+            xt = tl.trans(x)
+        _emit(xt, cols, rows, pid_r * BR, pid_r == 0, first, b_out, b_rows, b_cols, b_stat, b_scale,
               b_seed, b_signs, b_side, b_eb, b_flags, b_kp, BC, BR, B_BLR, B_BLC, B_GRID, B_QMAX, B_QM, B_QE,
               B_EMAX, B_SCALE, B_SR, B_H, B_HSCALE, B_SIGNS, B_FP8, B_SHIFT, B_DMAX, EVEN, INTERPRETED)
 
@@ -182,17 +209,17 @@ def _operand_kernel(t_ptr, R, C, s_r, s_c, mu_ptr,
 #: benchmarks/results-2026-12-01.md): rows only 64x128x4; the transposed orientation (through a register
 #: transpose) and both at once 32x64x2 -- wider tiles or more warps spread a block over warps.
 TILES = {"rows": (64, 128, 4), "cols": (32, 64, 2), "both": (32, 64, 2)}
+#: The statistics pass reduces without transposing (unless a Hadamard rotates B), so it takes wide tiles.
+STATS_TILE = (64, 256, 8)
 
 
 @functools.lru_cache(maxsize=None)
 def _launch_config(plans, tile):
-    """(BR, BC, warps, operand-kernel constexprs, stats-kernel constexprs) of a pair of plans (cached)."""
+    """(operand tile, stats tile, operand-kernel constexprs, stats-kernel constexprs) of a pair of plans
+    (cached); a tile is (BR, BC, warps), grown to fit blocks and Hadamard sizes."""
     a, b = plans
-    br, bc, warps = tile or TILES["both" if a is not None and b is not None else "rows" if a is not None else "cols"]
-    if a is not None:
-        br, bc = max(br, a.spec.block[0]), max(bc, a.spec.block[1], a.hadamard)
-    if b is not None:
-        br, bc = max(br, b.spec.block[1], b.hadamard), max(bc, b.spec.block[0])
+    tile = _fit(tile or TILES["both" if a is not None and b is not None else "rows" if a is not None else "cols"], a, b)
+    stats_tile = _fit(STATS_TILE, a, b)
     consts = {**_constexprs("A_", a), **_constexprs("B_", b)}
     stat_flags = {}
     for prefix, plan in (("A_", a), ("B_", b)):
@@ -200,7 +227,16 @@ def _launch_config(plans, tile):
                            f"{prefix}H": plan.hadamard if plan is not None else 0,
                            f"{prefix}HSCALE": consts[f"{prefix}HSCALE"],
                            f"{prefix}SIGNS": plan.signed if plan is not None else False})
-    return br, bc, warps, consts, stat_flags
+    return tile, stats_tile, consts, stat_flags
+
+
+def _fit(tile, a: OperandPlan | None, b: OperandPlan | None) -> tuple:
+    br, bc, warps = tile[:3]
+    if a is not None:
+        br, bc = max(br, a.spec.block[0]), max(bc, a.spec.block[1], a.hadamard)
+    if b is not None:
+        br, bc = max(br, b.spec.block[1], b.hadamard), max(bc, b.spec.block[0])
+    return (br, bc, warps, *tile[3:])
 
 
 def _constexprs(prefix: str, plan: OperandPlan | None) -> dict:
@@ -233,7 +269,7 @@ def triton_operands(t: torch.Tensor, plans: tuple[OperandPlan | None, OperandPla
             raise ValueError("OperandPlan.signed must match whether a sign vector is given")
     R, C = t.shape
     dev = t.device
-    br, bc, warps, consts, stat_flags = _launch_config(tuple(plans), tile)
+    (br, bc, warps, *reload), (sbr, sbc, swarps), consts, stat_flags = _launch_config(tuple(plans), tile)
     dims = ((R, C), (C, R))
     ops = [empty_operand(p, *d, dev) if p is not None else None for p, d in zip(plans, dims)]
     even = R % br == 0 and C % bc == 0  # every tile inside t and inside both allocations: no masks
@@ -244,9 +280,10 @@ def triton_operands(t: torch.Tensor, plans: tuple[OperandPlan | None, OperandPla
     mu_t = mu.to(torch.float32) if mu is not None else t  # unused pointers get any valid tensor
     signs_t = [s.to(device=dev, dtype=torch.float32) if s is not None else t for s in signs]
     if any(p is not None and p.stat for p in plans):
-        wrap_triton(_stats_kernel)[(triton.cdiv(R, br), triton.cdiv(C, bc))](
+        wrap_triton(_stats_kernel)[(triton.cdiv(R, sbr), triton.cdiv(C, sbc))](
             t, R, C, t.stride(0), t.stride(1), mu_t, stats[0], signs_t[0], stats[1], signs_t[1],
-            BR=br, BC=bc, HAS_MU=mu is not None, EVEN=even, num_warps=warps, **stat_flags)
+            BR=sbr, BC=sbc, HAS_MU=mu is not None, EVEN=R % sbr == 0 and C % sbc == 0, num_warps=swarps,
+            **stat_flags)
     args, cover = [], [0, 0]
     for i, (plan, op, stat, s, (rows, k)) in enumerate(zip(plans, ops, stats, signs_t, dims)):
         if plan is None:
@@ -260,5 +297,5 @@ def triton_operands(t: torch.Tensor, plans: tuple[OperandPlan | None, OperandPla
         args += [data, r_alloc, k_alloc, stat, op.scale, seeds[i:], s, side, eb, flags, plan.k_padded(k)]
     wrap_triton(_operand_kernel)[(triton.cdiv(cover[0], br), triton.cdiv(cover[1], bc))](
         t, R, C, t.stride(0), t.stride(1), mu_t, *args, BR=br, BC=bc, HAS_MU=mu is not None, EVEN=even,
-        INTERPRETED=dev.type == "cpu", num_warps=warps, **consts)
+        INTERPRETED=dev.type == "cpu", RELOAD=bool(reload and reload[0]), num_warps=warps, **consts)
     return ops

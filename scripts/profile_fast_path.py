@@ -73,6 +73,8 @@ def main():
     p.add_argument("--only-operand", default=None)
     p.add_argument("--linear", default="mxfp4,nvfp4")
     p.add_argument("--sweep", action="store_true", help="graph-replay times of the operand kernel per tile")
+    p.add_argument("--cases", default="mxfp4,nvfp4,mxfp4-T,nvfp4-T,mxfp4-dual,nvfp4-dual,ufp4-h16,nvfp4-sr,"
+                   "ufp4-dualH", help="operand cases of --sweep")
     p.add_argument("--cprofile", action="store_true", help="host-side profile of one operands() call")
     p.add_argument("--e2e", default=None, help="comma list of bench.py impl names or presets")
     args = p.parse_args()
@@ -94,7 +96,7 @@ def main():
         torch.cuda.synchronize()
         return
     if args.sweep:
-        sweep(x, seeds, sign)
+        sweep(x, seeds, sign, args.cases.split(","))
         return
     if args.cprofile:
         import cProfile
@@ -166,25 +168,35 @@ def profile_e2e(name: str, steps: int = 3) -> None:
     torch.cuda.empty_cache()
 
 
-def sweep(x, seeds, sign):
+def sweep(x, seeds, sign, cases):
     """Kernel time (CUDA-graph replay) of the operand kernels per tile, and the transpose-copy alternative."""
     from hf_fp4.kernels.operand import triton_operands
 
-    tiles = [(64, 64, 4), (32, 64, 2), (64, 64, 2), (32, 32, 1), (32, 64, 1), (64, 128, 4), (128, 64, 4),
-             (128, 64, 8), (64, 32, 2), (128, 32, 4)]
+    from hf_fp4.kernels import operand as operand_module
+
+    tiles = [(64, 64, 4), (32, 64, 2), (64, 64, 2), (32, 32, 1), (64, 128, 4), (128, 64, 4),  # 4th: RELOAD
+             (32, 64, 2, True), (64, 64, 4, True), (32, 128, 4, True), (64, 128, 8, True), (64, 32, 2, True)]
     copy = graph_ms(lambda: x.clone())
     print(f"copy {copy:.4f} ms (graph)")
-    for name in ("mxfp4", "nvfp4", "mxfp4-T", "nvfp4-T", "mxfp4-dual", "nvfp4-dual", "ufp4-h16", "nvfp4-sr",
-                 "ufp4-dualH"):
+    default = operand_module.STATS_TILE
+    for stats_tile in ((64, 256, 8), (32, 256, 4), (128, 128, 8), (64, 128, 4), (128, 256, 8)):
+        operand_module.STATS_TILE = stats_tile
+        operand_module._launch_config.cache_clear()
+        row = [f"{n}={graph_ms(lambda: triton_operands(x, CASES[n], seeds, (None, None))):.4f}"
+               for n in ("mxfp4-dual", "nvfp4-dual", "mxfp4")]
+        print("stats tile", stats_tile, " ".join(row), flush=True)
+    operand_module.STATS_TILE = default
+    operand_module._launch_config.cache_clear()
+    for name in cases:
         plans = CASES[name]
         s = tuple(sign if p is not None and p.hadamard else None for p in plans)
         row = []
         for tile in tiles:
             try:
                 ms = graph_ms(lambda: triton_operands(x, plans, seeds, s, tile=tile))
-                row.append(f"{tile[0]}x{tile[1]}w{tile[2]}={ms:.4f}")
+                row.append(f"{tile[0]}x{tile[1]}w{tile[2]}{'R' * (len(tile) > 3)}={ms:.4f}")
             except Exception as err:  # noqa: BLE001 - a tile the compiler cannot fit
-                row.append(f"{tile[0]}x{tile[1]}w{tile[2]}=ERR({type(err).__name__})")
+                row.append(f"{tile[0]}x{tile[1]}w{tile[2]}{'R' * (len(tile) > 3)}=ERR({type(err).__name__})")
         if plans[0] is None:  # transpose copy, then the row kernel
             ms = graph_ms(lambda: triton_operands(x.t().contiguous(), (plans[1], None), seeds, (s[1], None)))
             row.append(f"copyT+A={ms:.4f}")

@@ -170,10 +170,10 @@ def plan_for(spec, form, h, signed):
     return OperandPlan(spec, h, signed, form, max(16, h, spec.block[1]))
 
 
-def assert_operands_exact(t, plans, seeds, signs, mu=None):
+def assert_operands_exact(t, plans, seeds, signs, mu=None, tile=None):
     from hf_fp4.kernels.operand import triton_operands
 
-    ops = triton_operands(t, plans, seeds, signs, mu)
+    ops = triton_operands(t, plans, seeds, signs, mu, tile=tile)
     centred = t.float() - mu if mu is not None else t.float()
     for i, (op, plan, view) in enumerate(zip(ops, plans, (centred, centred.t()))):
         if plan is None:
@@ -205,6 +205,22 @@ def test_operand_kernel_mixed_orientations_transposed_input_and_mean(name):
     plans = (plan_for(spec, form, 0, False), plan_for(sr, "bf16", 32, True))
     assert_operands_exact(t, plans, torch.tensor([11, 12], device=DEV), (None, seeded_signs(32, 1)), mu)
     assert_operands_exact(t, (None, plans[1]), torch.tensor([11, 12], device=DEV), (None, seeded_signs(32, 1)))
+
+
+@pytest.mark.parametrize("name", ["mxfp4", "nvfp4", "ufp4"])
+def test_operand_kernel_transposed_orientation_from_a_second_load(name):
+    """RELOAD tiles (the 4th tile entry) read t^T's tile with swapped strides instead of transposing in
+    registers: the same operands, with a mean, a strided input and a Hadamard on the transposed side."""
+    spec = QuantSpec.preset(name)
+    form = "fp8" if fp8_capable(spec) else "bf16"
+    sr = dataclasses.replace(spec, rounding="stochastic")
+    t = wide(96, 48, seed=4, dtype=torch.bfloat16).t()
+    mu = t.float().mean(0) - 0.25
+    seeds = torch.tensor([5, 6], device=DEV)
+    for plans, signs in (((plan_for(spec, form, 0, False), plan_for(spec, form, 0, False)), (None, None)),
+                         ((plan_for(spec, form, 0, False), plan_for(sr, "bf16", 16, True)), (None, seeded_signs(16, 2)))):
+        for m in (None, mu):
+            assert_operands_exact(t, plans, seeds, signs, m, tile=(32, 64, 2, True))
 
 
 def test_operand_kernel_nan_blocks_become_nan():

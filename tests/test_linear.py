@@ -1,5 +1,6 @@
 """FP4Linear: the three GEMMs quantized exactly as each preset's table says."""
 import dataclasses
+from unittest import mock
 
 import pytest
 import torch
@@ -8,6 +9,7 @@ from torch import nn
 import hf_fp4
 from hf_fp4 import FP4Linear, QuantSpec, apply_hadamard, fake_quantize, observe_operands, preset, seeded_signs
 from hf_fp4.quantize import quantize
+from hf_fp4.recipe import LinearRecipe
 from exactness import assert_within_accumulation_error
 from thresholds import LINEAR_SQNR_MIN_DB, LORA_SVD_MIN_IMPROVEMENT
 
@@ -61,6 +63,31 @@ def test_bf16_recipe_equals_nn_linear_exactly():
     for a, b in zip(run(ref, x3, dy.reshape(4, 16, N)), run(layer, x3, dy.reshape(4, 16, N))):
         assert torch.equal(a, b)
     assert torch.equal(ref.bias.grad, layer.bias.grad)
+
+
+def test_under_autocast_the_gradients_are_nn_linears():
+    """FP32 master weight and input under bf16 autocast: y, dx and dW in the dtypes and values nn.Linear gives
+    (GEMM outputs in BF16, then the input's / weight's dtype)."""
+    torch.manual_seed(0)
+    ref = nn.Linear(K, N)
+    layer = FP4Linear.from_linear(nn.Linear(K, N), preset("bf16").linear)
+    layer.load_state_dict(ref.state_dict())
+    x, dy = inputs()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want, got = run(ref, x, dy.bfloat16()), run(layer, x, dy.bfloat16())
+    for a, b in zip(want, got):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    assert got[1].dtype == got[2].dtype == torch.float32
+    _, fp4 = make_layer("mxfp4")  # quantized GEMMs too: outputs rounded to BF16 once, then widened
+    fp4.backend = "triton"
+    xg = x.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = fp4(xg)
+    y.backward(dy.bfloat16())  # outside autocast, as a training loop does (and as CUDA's backward thread runs)
+    dx, dw = xg.grad, fp4.weight.grad
+    assert y.dtype == torch.bfloat16 and dx.dtype == dw.dtype == torch.float32
+    for g in (dx, dw):
+        assert torch.equal(g, g.bfloat16().float())
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
@@ -297,6 +324,46 @@ def test_torch_compile_fullgraph_equals_eager_bit_for_bit(name, backend):
             assert torch.equal(eager.bias.grad, compiled.bias.grad)
             eager.zero_grad(), compiled.zero_grad()
     assert eager.sr_calls == compiled.sr_calls == 2
+
+
+@pytest.mark.parametrize("x_sr", [False, True])
+def test_compiled_layers_sharing_an_input_quantize_it_once_unless_it_is_rounded_stochastically(x_sr):
+    """q/k/v (and gate/up) read the same x.  Rounded to nearest, its operands are the same for all of them, and
+    under torch.compile they are made once (one operand call for x, one per weight and per dy); rounded
+    stochastically each layer draws its own noise, so each makes its own.  Either way, eager == compiled."""
+    import torch._dynamo
+
+    from hf_fp4 import operands as operands_module
+
+    d = preset("mxfp4").linear.to_dict()
+    if x_sr:
+        d["wgrad"]["rhs"]["rounding"] = "stochastic"
+    recipe = LinearRecipe.from_dict(d)
+
+    def layers():
+        torch.manual_seed(0)
+        return [FP4Linear.from_linear(nn.Linear(K, N, bias=False), recipe, name=f"proj{i}") for i in range(3)]
+
+    def loss(fs, h):
+        return sum((f(h) * (i + 1)).sum() for i, f in enumerate(fs))
+
+    def step(fs, x, fn):
+        x = x.clone().requires_grad_()
+        fn(x * 2).backward()  # x * 2: one tensor read by all three layers
+        return x.grad, *(f.weight.grad for f in fs)
+
+    eager, compiled = layers(), layers()
+    for f in eager + compiled:
+        f.backend = "triton"
+    torch._dynamo.reset()
+    x = torch.randn(T, K)
+    want = step(eager, x, lambda h: loss(eager, h))
+    calls, impl = [], operands_module._operands_impl
+    with mock.patch.object(operands_module, "_operands_impl", lambda *a: calls.append(a[-1]) or impl(*a)):
+        got = step(compiled, x, torch.compile(lambda h: loss(compiled, h), backend="aot_eager"))
+    for a, b in zip(want, got):
+        assert torch.equal(a, b)
+    assert len(calls) == (3 if x_sr else 1) + 3 + 3, calls
 
 
 @pytest.mark.gpu
