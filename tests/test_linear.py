@@ -78,12 +78,14 @@ def test_under_autocast_the_gradients_are_nn_linears():
     for a, b in zip(want, got):
         assert a.dtype == b.dtype and torch.equal(a, b)
     assert got[1].dtype == got[2].dtype == torch.float32
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
     _, fp4 = make_layer("mxfp4")  # quantized GEMMs too: outputs rounded to BF16 once, then widened
+    fp4 = fp4.to(dev)
     fp4.backend = "triton"
-    xg = x.clone().requires_grad_()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    xg = x.to(dev).requires_grad_()
+    with torch.autocast(dev, dtype=torch.bfloat16):
         y = fp4(xg)
-    y.backward(dy.bfloat16())  # outside autocast, as a training loop does (and as CUDA's backward thread runs)
+    y.backward(dy.to(dev, torch.bfloat16))  # outside autocast, as a training loop does (and as CUDA's backward thread runs)
     dx, dw = xg.grad, fp4.weight.grad
     assert y.dtype == torch.bfloat16 and dx.dtype == dw.dtype == torch.float32
     for g in (dx, dw):
