@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -39,6 +40,9 @@ from .recipe import GemmSpec, LinearRecipe
 from .scales import ScaleRule
 
 BACKENDS = ("auto", "reference", "triton")
+#: CUDA launches through triton_ops (torch.compile traces into them and launches the kernels from its own code);
+#: HF_FP4_TRITON_OPS=0 keeps the opaque custom ops on CUDA too (a Python call per op, inputs never copied).
+TRITON_OPS = os.environ.get("HF_FP4_TRITON_OPS", "1") != "0"
 
 
 def reference_operand(t: torch.Tensor, plan: OperandPlan, seed, signs: torch.Tensor | None) -> Operand:
@@ -139,7 +143,7 @@ def operands(t: torch.Tensor, plans: tuple[OperandPlan | None, OperandPlan | Non
     quantized = quantized_pair(plans)
     out: list = [None, None]
     if any(quantized):  # `key` (plans_key of the pair) may be precomputed: json does not trace
-        traceable = t.is_cuda and all(p is None or p.form in KERNEL_FORMS for p in quantized)
+        traceable = TRITON_OPS and t.is_cuda and all(p is None or p.form in KERNEL_FORMS for p in quantized)
         op = _operands_cuda_op if traceable else _operands_op
         flat = op(t, mu, seeds, *signs, key or plans_key(quantized))
         out = [Operand(*flat[5 * i:5 * i + 5]) if p is not None else None for i, p in enumerate(quantized)]
@@ -183,7 +187,7 @@ def gemm(a: Operand, b: Operand, plans: tuple[OperandPlan, OperandPlan], m: int,
         return (a.data @ b.data.t()).to(out_dtype)
     if form == "fp8":
         pa, pb = plans
-        op = _fp8_gemm_cuda_op if a.data.is_cuda else _fp8_gemm_op
+        op = _fp8_gemm_cuda_op if TRITON_OPS and a.data.is_cuda else _fp8_gemm_op
         return op(*a, *b, m, n, out_dtype, pa.spec.block[1], fp8_shift(pa.spec.grid),
                             pb.spec.block[1], fp8_shift(pb.spec.grid))
     # bf16: exact operands, FP32 accumulation, the two FP32 tensor scales on the output

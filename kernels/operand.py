@@ -278,12 +278,15 @@ def triton_operands(t: torch.Tensor, plans: tuple[OperandPlan | None, OperandPla
     dims = ((R, C), (C, R))
     ops = [empty_operand(p, *d, dev) if p is not None else None for p, d in zip(plans, dims)]
     even = R % br == 0 and C % bc == 0  # every tile inside t and inside both allocations: no masks
+    # Pointers a launch does not use get a 1-element tensor, never t: under torch.compile a tensor passed in
+    # several argument slots of a user Triton kernel may be copied once per slot.
+    unused = torch.empty(1, dtype=torch.float32, device=dev)
     stats = []
     for plan, (rows, k) in zip(plans, dims):  # per-row statistics cover the allocated (padded) rows
         n = 0 if plan is None or plan.stat == 0 else (plan.shape(rows, k)[0] if plan.stat == 1 else 1)
-        stats.append(torch.zeros(n, dtype=torch.float32, device=dev) if n else t)
-    mu_t = mu.to(torch.float32) if mu is not None else t  # unused pointers get any valid tensor
-    signs_t = [s.to(device=dev, dtype=torch.float32) if s is not None else t for s in signs]
+        stats.append(torch.zeros(n, dtype=torch.float32, device=dev) if n else unused)
+    mu_t = mu.to(torch.float32) if mu is not None else unused
+    signs_t = [s.to(device=dev, dtype=torch.float32) if s is not None else unused for s in signs]
     if any(p is not None and p.stat for p in plans):
         wrap_triton(_stats_kernel)[(triton.cdiv(R, sbr), triton.cdiv(C, sbc))](
             t, R, C, t.stride(0), t.stride(1), mu_t, stats[0], signs_t[0], stats[1], signs_t[1],
@@ -292,13 +295,13 @@ def triton_operands(t: torch.Tensor, plans: tuple[OperandPlan | None, OperandPla
     args, cover = [], [0, 0]
     for i, (plan, op, stat, s, (rows, k)) in enumerate(zip(plans, ops, stats, signs_t, dims)):
         if plan is None:
-            args += [t, 0, 0, t, t, seeds, t, t, t, t, 0]
+            args += [unused, 0, 0, unused, unused, seeds, unused, unused, unused, unused, 0]
             continue
         r_alloc, k_alloc = op.data.shape
         cover[i], cover[1 - i] = max(cover[i], r_alloc), max(cover[1 - i], k_alloc)
         fp8 = plan.form == "fp8"
         data = op.data.view(torch.uint8) if fp8 else op.data  # FP8 written as bits (NaN = 0x7F)
-        side, eb, flags = (op.side.view(torch.uint8), op.eb, op.flags) if fp8 else (t, t, t)
+        side, eb, flags = (op.side.view(torch.uint8), op.eb, op.flags) if fp8 else (unused, unused, unused)
         args += [data, r_alloc, k_alloc, stat, op.scale, seeds[i:], s, side, eb, flags, plan.k_padded(k)]
     wrap_triton(_operand_kernel)[(triton.cdiv(cover[0], br), triton.cdiv(cover[1], bc))](
         t, R, C, t.stride(0), t.stride(1), mu_t, *args, BR=br, BC=bc, HAS_MU=mu is not None, EVEN=even,

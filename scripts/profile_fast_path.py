@@ -77,8 +77,13 @@ def main():
                    "ufp4-dualH", help="operand cases of --sweep")
     p.add_argument("--cprofile", action="store_true", help="host-side profile of one operands() call")
     p.add_argument("--e2e", default=None, help="comma list of bench.py impl names or presets")
+    p.add_argument("--mutations", action="store_true",
+                   help="which arguments torch.compile believes each kernel writes (it copies those inputs)")
     args = p.parse_args()
     dev = "cuda"
+    if args.mutations:
+        mutations(dev)
+        return
     if args.e2e:
         for name in args.e2e.split(","):
             profile_e2e(name)
@@ -166,6 +171,40 @@ def profile_e2e(name: str, steps: int = 3) -> None:
         print(f"| {e.key[:70]} | {ms:.2f} | {ms / gpu_ms:.0%} |")
     del model, opt
     torch.cuda.empty_cache()
+
+
+def mutations(dev: str) -> None:
+    """torch's TTIR analysis of each kernel launch of an FP8 operand pair + GEMM: the arguments it marks as
+    written.  Inputs it marks are copied before every launch under torch.compile."""
+    from unittest import mock
+
+    from torch._higher_order_ops.triton_kernel_wrap import identify_accessed_tensors
+
+    from hf_fp4.kernels import gemm as gemm_module
+    from hf_fp4.kernels import operand as operand_module
+    from hf_fp4.operands import gemm
+
+    launches = []
+
+    def recording(kernel):
+        def launcher(grid):
+            def launch(*a, **kw):
+                names = kernel.arg_names
+                launches.append((kernel, {**dict(zip(names, a)), **{k: v for k, v in kw.items() if k in names}}))
+                return kernel[grid](*a, **kw)
+            return launch
+        return type("R", (), {"__getitem__": lambda self, grid: launcher(grid)})()
+
+    t = torch.randn(256, 512, device=dev, dtype=torch.bfloat16)
+    with mock.patch.object(operand_module, "wrap_triton", recording), \
+            mock.patch.object(gemm_module, "wrap_triton", recording):
+        pa = CASES["mxfp4-dual"]
+        a, b = operands(t, pa, torch.tensor([1, 2], device=dev))
+        gemm(a, a, (pa[0], pa[0]), 256, 256, torch.bfloat16)
+    for kernel, kwargs in launches:
+        acc = identify_accessed_tensors(kernel, kwargs, {})
+        print(kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__, "writes:",
+              sorted(d.name for d in acc.read_writes.writes))
 
 
 def sweep(x, seeds, sign, cases):
