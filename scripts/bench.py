@@ -404,7 +404,7 @@ def main():
         write(results, stem, "\n".join(text))
     if "e2e" in parts:
         text.append(bench_e2e(dev, "llama-1.1b", sizes["e2e"], sizes["batch"], sizes["seq"], sizes["steps"],
-                              results, e2e_names, lambda: write(results, stem, "\n".join(text))))
+                              results, e2e_names, lambda: write(results, stem, render(results))))
         write(results, stem, "\n".join(text))
     if "e2e50m" in parts:
         model_cfg, cfg = bench50m_model()
@@ -412,7 +412,7 @@ def main():
         kwargs["vocab_size"] = int(cfg["vocab_size"])
         seq, batch = int(cfg["seq_len"]), int(cfg["batch_size"])
         text.append(bench_e2e(dev, "bench-50m", kwargs, batch, seq, sizes["steps"] * 2, results, e2e_names,
-                              lambda: write(results, stem, "\n".join(text))))
+                              lambda: write(results, stem, render(results))))
     write(results, stem, "\n".join(text))
 
 

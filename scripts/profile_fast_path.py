@@ -178,7 +178,11 @@ def mutations(dev: str) -> None:
     written.  Inputs it marks are copied before every launch under torch.compile."""
     from unittest import mock
 
-    from torch._higher_order_ops.triton_kernel_wrap import identify_accessed_tensors
+    import logging
+
+    from torch._higher_order_ops import triton_kernel_wrap as wrap
+
+    logging.getLogger(wrap.__name__).addHandler(logging.StreamHandler())  # the analysis' own failure report
 
     from hf_fp4.kernels import gemm as gemm_module
     from hf_fp4.kernels import operand as operand_module
@@ -202,9 +206,12 @@ def mutations(dev: str) -> None:
         a, b = operands(t, pa, torch.tensor([1, 2], device=dev))
         gemm(a, a, (pa[0], pa[0]), 256, 256, torch.bfloat16)
     for kernel, kwargs in launches:
-        acc = identify_accessed_tensors(kernel, kwargs, {})
-        print(kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__, "writes:",
-              sorted(d.name for d in acc.read_writes.writes))
+        name = kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__
+        if hasattr(wrap, "identify_accessed_tensors"):  # torch >= 2.12
+            written = sorted(d.name for d in wrap.identify_accessed_tensors(kernel, kwargs, {}).read_writes.writes)
+        else:
+            written = sorted(wrap.identify_mutated_tensors(kernel, kwargs, {}))
+        print(name, "writes:", written, flush=True)
 
 
 def sweep(x, seeds, sign, cases):

@@ -370,6 +370,35 @@ def test_compiled_layers_sharing_an_input_quantize_it_once_unless_it_is_rounded_
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", ["mxfp4", "nvfp4"])
+def test_inductor_hands_a_normalised_input_to_the_kernels_without_copying_it(name):
+    """RMSNorm -> q/k/v under inductor: the statistics and operand kernels read the norm's output buffer itself,
+    one buffer for all launches (x's operands are made once for the three layers).  A copy per launch (seen
+    on the H200: 24 stores of x in the norm kernel) costs more than the quantization it feeds."""
+    import re
+
+    import torch._dynamo
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    recipe = preset(name).linear
+    layers = [FP4Linear.from_linear(nn.Linear(256, 256, bias=False), recipe, name=f"p{i}").cuda() for i in range(3)]
+    gain = torch.randn(256, device="cuda")
+
+    def block(h):
+        x = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * gain
+        return sum(f(x).float().sum() for f in layers)
+
+    h = torch.randn(2, 128, 256, device="cuda", requires_grad=True)
+    loss, codes = run_and_get_code(torch.compile(block), h)
+    reads = re.findall(r"_(?:stats|operand)_kernel_\d+\.run\((?:reinterpret_tensor\()?(\w+)", codes[0])
+    weights = {n for n in reads if n.startswith("primals")}
+    assert len(set(reads) - weights) == 1, reads
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("name", ["mxfp4", "nvfp4", "ufp4", "mxfp4_dh"])
 def test_inductor_launching_the_kernels_equals_eager(name):
     """On CUDA the operand and FP8-GEMM ops are triton_ops: inductor traces into them and launches their
