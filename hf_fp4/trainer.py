@@ -194,7 +194,14 @@ def check_output_dir(run_dir: Path, cfg: TrainConfig, resume: bool, overwrite: b
         raise FileExistsError(f"{run_dir} already holds a run; pass --resume to continue it or --overwrite "
                               "to start over (its files would be deleted)")
     ckpts = complete_checkpoints(run_dir)
-    if not ckpts:
+    if not ckpts:  # killed before its first checkpoint completed: start over, if it is this run
+        saved = run_dir / "train_config.yaml"
+        if saved.exists() and run_fingerprint(TrainConfig.from_dict(yaml.safe_load(saved.read_text()))) \
+                != run_fingerprint(cfg):
+            raise ValueError(f"{run_dir} belongs to another run (different config); use another --output_dir "
+                             "or --overwrite")
+        rewrite_metrics(run_dir / "metrics.jsonl", 0)
+        print(f"hf_fp4: {run_dir} holds no complete checkpoint; --resume starts the run over from step 0")
         return None
     marker = json.loads((ckpts[-1] / COMPLETE).read_text())
     if marker["fingerprint"] != run_fingerprint(cfg):

@@ -153,11 +153,17 @@ def test_output_dir_of_another_run_is_refused(corpus_files, tmp_path):
     assert (tmp_path / "run" / "final" / "config.json").exists()
 
 
-def test_sigkill_then_resume_reproduces_the_uninterrupted_losses(corpus_files, tmp_path):
+def test_sigkill_at_ten_moments_then_resume_reproduces_the_uninterrupted_losses(corpus_files, tmp_path):
+    """SIGKILL at 10 moments of one run -- five in the middle of a checkpoint write (its temporary folder on
+    disk), five at a random time after a checkpoint completed -- each followed by `--resume`: the losses and
+    validation losses of the whole run equal the uninterrupted run's bit for bit, and a half-written
+    checkpoint is never loaded."""
+    import random
+
     env = {**os.environ, "HF_FP4_CACHE": os.environ["HF_FP4_CACHE"], "TQDM_DISABLE": "1"}
-    steps = 40
+    options = {"max_steps": 64, "eval_every": 8, "checkpoint_every": 4, "keep_checkpoints": 3}
     # the uninterrupted run, through `accelerate launch` with one process
-    ref_cfg = write_cfg(tmp_path / "ref.yaml", tiny_cfg(corpus_files, tmp_path / "ref", max_steps=steps))
+    ref_cfg = write_cfg(tmp_path / "ref.yaml", tiny_cfg(corpus_files, tmp_path / "ref", **options))
     launcher = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--cpu",
                 "--mixed_precision", "no", "--num_machines", "1", "--dynamo_backend", "no"]
     ref = subprocess.run([*launcher, str(ROOT / "scripts" / "pretrain.py"), "--config", ref_cfg], env=env,
@@ -166,18 +172,31 @@ def test_sigkill_then_resume_reproduces_the_uninterrupted_losses(corpus_files, t
     ref_recs = records(tmp_path / "ref")
     evals = [r["val_loss"] for r in ref_recs if "val_loss" in r]
     assert evals[-1] < evals[0] - 0.3  # validation loss falls
-    # the same run, killed with SIGKILL once the step-8 checkpoint is complete
-    cfg = write_cfg(tmp_path / "kill.yaml", tiny_cfg(corpus_files, tmp_path / "kill", max_steps=steps))
-    proc = run_script(["--config", cfg], env)
-    marker = tmp_path / "kill" / "checkpoints" / "step_8" / "COMPLETE.json"
-    deadline = time.time() + 300
-    while not marker.exists() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
-    assert proc.poll() is None, "the run finished before it could be killed: " + proc.stdout.read()[-2000:]
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    killed_at = max(r["step"] for r in records(tmp_path / "kill"))
-    assert killed_at < steps
+
+    cfg = write_cfg(tmp_path / "kill.yaml", tiny_cfg(corpus_files, tmp_path / "kill", **options))
+    ckpts = tmp_path / "kill" / "checkpoints"
+
+    def complete_steps():
+        return {int(p.name[5:]) for p in ckpts.glob("step_*") if (p / trainer.COMPLETE).exists()}
+
+    rng = random.Random(14)
+    mid_write = 0
+    for kill in range(10):
+        before = max(complete_steps(), default=0)
+        proc = run_script(["--config", cfg] + (["--resume"] if kill else []), env)
+        deadline = time.time() + 300
+        while proc.poll() is None and time.time() < deadline:
+            if kill % 2 == 0 and any(int(p.name[10:]) > before for p in ckpts.glob(".tmp_step_*")):
+                time.sleep(rng.uniform(0, 0.005))  # inside the write
+                break
+            if kill % 2 == 1 and max(complete_steps(), default=0) > before:
+                time.sleep(rng.uniform(0, 0.5))  # anywhere in the steps that follow
+                break
+        assert proc.poll() is None, f"kill {kill}: the run ended first: " + proc.stdout.read()[-2000:]
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        mid_write += kill % 2 == 0 and any(ckpts.glob(".tmp_step_*"))
+    assert mid_write >= 1, "no kill landed inside a checkpoint write"
     resumed = run_script(["--config", cfg, "--resume"], env)
     out, _ = resumed.communicate(timeout=600)
     assert resumed.returncode == 0, out[-3000:]
@@ -186,6 +205,22 @@ def test_sigkill_then_resume_reproduces_the_uninterrupted_losses(corpus_files, t
     assert [r["step"] for r in got] == [r["step"] for r in ref_recs]
     for a, b in zip(ref_recs, got):
         assert a["loss"] == b["loss"] and a.get("val_loss") == b.get("val_loss"), (a, b)
+
+
+def test_resume_before_the_first_checkpoint_starts_over_only_for_the_same_run(corpus_files, tmp_path, capsys):
+    """Killed before any checkpoint completed: --resume drops the partial metrics and starts at step 0 (found
+    by the kill test: the steps were logged twice); a folder holding another config's partial run is refused."""
+    cfg = TrainConfig.from_dict(tiny_cfg(corpus_files, tmp_path / "run"))
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "train_config.yaml").write_text(yaml.safe_dump(cfg.to_dict()))
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n{"step": 2, "loss": 4.0}\n')
+    assert trainer.check_output_dir(run, cfg, resume=True, overwrite=False) is None
+    assert (run / "metrics.jsonl").read_text() == ""
+    assert "starts the run over from step 0" in capsys.readouterr().out
+    other = TrainConfig.from_dict(tiny_cfg(corpus_files, tmp_path / "run", lr=1e-4))
+    with pytest.raises(ValueError, match="belongs to another run"):
+        trainer.check_output_dir(run, other, resume=True, overwrite=False)
 
 
 def test_resume_passes_over_a_damaged_checkpoint_and_says_so(corpus_files, tmp_path, capsys):
