@@ -34,6 +34,8 @@ def load_model(model_dir: str, gguf_file: str | None = None, dtype: torch.dtype 
                                 "(for a GGUF file pass --gguf FILE)")
     if gguf_file and not (path / gguf_file).exists():
         raise FileNotFoundError(f"{path / gguf_file} not found")
+    if gguf_file:
+        check_gguf_architecture(path / gguf_file)
     weights = list(path.glob("*.safetensors")) + list(path.glob("*.bin"))
     if not gguf_file and not weights:
         raise FileNotFoundError(f"{model_dir} has a config.json but no weights (*.safetensors / *.bin): a partial "
@@ -51,6 +53,22 @@ def load_model(model_dir: str, gguf_file: str | None = None, dtype: torch.dtype 
                              "list of architectures; convert the model with llama.cpp's tools first") from err
         raise
     return model.eval(), tok
+
+
+def check_gguf_architecture(gguf_path: Path) -> None:
+    """Fail before loading anything when transformers' GGUF loader does not know the file's architecture
+    (transformers' own metadata parser decides; its error otherwise surfaces as a tokenizer failure)."""
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES, load_gguf_checkpoint
+
+    try:
+        load_gguf_checkpoint(str(gguf_path), return_tensors=False)
+    except ValueError as err:
+        if "architecture" not in str(err):
+            raise
+        known = sorted(set(GGUF_SUPPORTED_ARCHITECTURES) - {"general", "tokenizer"})  # mapping keys, not models
+        raise ValueError(f"transformers cannot load {gguf_path.name}: {err} Its GGUF loader reads these "
+                         f"architectures: {', '.join(known)}; convert the model "
+                         "with llama.cpp's tools, or load it from a Hugging Face directory") from err
 
 
 def post_training_quantize(model, preset: str, hadamard: str = "none", hadamard_size: int = 16):

@@ -65,6 +65,9 @@ CASES = [
      lambda tmp: hf_fp4.quantize(torch.randn(4, 32), "mxfp4", backend="triton", generator=torch.Generator())),
     ("model directory without weights", FileNotFoundError, "has a config.json but no weights",
      lambda tmp: _config_only(tmp)),
+    ("a GGUF architecture transformers cannot load", ValueError,
+     "transformers cannot load m.gguf: GGUF model with architecture rwkv7 is not supported",
+     lambda tmp: _gguf_of(tmp, "rwkv7")),
 ]
 
 
@@ -80,6 +83,22 @@ def _config_only(tmp):
     (tmp / "m").mkdir()
     (tmp / "m" / "config.json").write_text("{}")
     return load_model(str(tmp / "m"))
+
+
+def _gguf_of(tmp, arch):
+    """A GGUF file of the given architecture (one tensor), loaded the way scripts/evaluate.py --gguf does."""
+    import gguf  # the eval extra, installed by scripts/setup.sh
+    import numpy as np
+
+    from hf_fp4.evaluation import load_model
+
+    writer = gguf.GGUFWriter(str(tmp / "m.gguf"), arch=arch)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return load_model(str(tmp), gguf_file="m.gguf")
 
 
 def bad_input_table() -> str:
