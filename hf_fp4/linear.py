@@ -307,12 +307,14 @@ def _notify(module: FP4Linear, tensor: str, t: torch.Tensor, plans, ops, signs) 
 
 
 def _tensor_operands(t, plan: LinearPlan, seeds, signs, mu, need, tensor, observer):
-    """Both orientations of one tensor (the second only when its GEMM will run)."""
+    """Both orientations of one tensor (the second only when its GEMM will run); t as the layer got it (the
+    operand layer reads [..., C] as [rows, C] without a reshape)."""
     pair = getattr(plan, tensor)
     plans = (pair[0], pair[1] if need else None)
     s = tuple(signs[GEMMS.index(g)] for g, _ in ROLES[tensor])
     ops = operands(t, plans, seeds, s, mu, plan.key(tensor, need))
     if observer is not None:
+        t = t.reshape(-1, t.shape[-1])
         observer(tensor, t if mu is None else t.float() - mu, plans, ops, signs)
     return ops
 
@@ -329,7 +331,7 @@ class FP4LinearFunction(torch.autograd.Function):
         # it: with seeds that are the same constant for all of them (and shared sign vectors), torch.compile's
         # common-subexpression elimination quantizes x once for all of them.
         x_seeds = seeds[0:2] if plan.seeded("x") else torch.zeros(2, dtype=seeds.dtype, device=seeds.device)
-        ox, oxt = _tensor_operands(x2, plan, x_seeds, signs, mu, need[1], "x", observer)
+        ox, oxt = _tensor_operands(x, plan, x_seeds, signs, mu, need[1], "x", observer)
         ow, owt = _tensor_operands(weight, plan, seeds[2:4], signs, None, need[0], "w", observer)
         # fprop: y = Q(x) Q(W)^T    [T,K] @ [K,N] -> [T,N]
         if plan.forms[0] == "hp" and mu is None:
@@ -361,7 +363,7 @@ class FP4LinearFunction(torch.autograd.Function):
         owt = _operand(saved[ctx.n_x:ctx.n_x + ctx.n_w])
         dy2 = dy.reshape(-1, n)
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        ody, odyt = _tensor_operands(dy2, plan, seeds[4:6], signs, None, need_dw, "dy", ctx.observer)
+        ody, odyt = _tensor_operands(dy, plan, seeds[4:6], signs, None, need_dw, "dy", ctx.observer)
         dx = dw = db = None
         if need_dx:
             # dgrad: dx = Q(dy) Q(W^T)^T    [T,N] @ [N,K] -> [T,K]

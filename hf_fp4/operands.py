@@ -92,6 +92,7 @@ def _operands_impl(t, mu, seeds, signs_a, signs_b, key):
 
         out = triton_operands(t, fast, seeds, tuple(s if f else None for s, f in zip(signs, fast)), mu)
     if any(p is not None and f is None for p, f in zip(plans, fast)):
+        t = t.reshape(-1, t.shape[-1])
         centred = t.float() - mu if mu is not None else t
         seed_values = seeds.tolist()
         for i, (plan, f) in enumerate(zip(plans, fast)):
@@ -105,7 +106,8 @@ def _operands_impl(t, mu, seeds, signs_a, signs_b, key):
 
 def _operands_fake(t, mu, seeds, signs_a, signs_b, key):
     result = []
-    for plan, (rows, k) in zip(_plans(key), ((t.shape[0], t.shape[1]), (t.shape[1], t.shape[0]))):
+    rows, cols = t.numel() // t.shape[-1], t.shape[-1]
+    for plan, (rows, k) in zip(_plans(key), ((rows, cols), (cols, rows))):
         if plan is None:
             result += [t.new_empty(0, dtype=torch.float32) for _ in range(5)]
         else:
@@ -135,10 +137,12 @@ def quantized_pair(plans) -> tuple[OperandPlan | None, OperandPlan | None]:
 def operands(t: torch.Tensor, plans: tuple[OperandPlan | None, OperandPlan | None], seeds: torch.Tensor,
              signs: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
              mu: torch.Tensor | None = None, key: str | None = None) -> tuple[Operand | None, Operand | None]:
-    """Both orientations of a 2D tensor t: plans[0] for t's rows, plans[1] for the rows of t^T.
+    """Both orientations of a tensor t read as a matrix [rows, C] (leading dims flattened): plans[0] for its
+    rows, plans[1] for the rows of its transpose.
 
-    Quantized orientations come from one custom-op call (the kernels read t once for both); an
-    unquantized ("hp") orientation is t itself (minus mu, in t's dtype), transposed as a view.
+    Quantized orientations come from one custom-op call (the kernels read t once for both, through its
+    strides: an N-D t is not reshaped); an unquantized ("hp") orientation is t itself (minus mu, in t's
+    dtype), transposed as a view.
     """
     quantized = quantized_pair(plans)
     out: list = [None, None]
@@ -148,6 +152,7 @@ def operands(t: torch.Tensor, plans: tuple[OperandPlan | None, OperandPlan | Non
         flat = op(t, mu, seeds, *signs, key or plans_key(quantized))
         out = [Operand(*flat[5 * i:5 * i + 5]) if p is not None else None for i, p in enumerate(quantized)]
     if any(p is not None and p.form == "hp" for p in plans):
+        t = t.reshape(-1, t.shape[-1])
         raw = (t.float() - mu).to(t.dtype) if mu is not None else t
         none = t.new_empty(0)
         for i, p in enumerate(plans):

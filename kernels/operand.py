@@ -259,20 +259,31 @@ def _constexprs(prefix: str, plan: OperandPlan | None) -> dict:
         SHIFT=fp8_shift(plan.spec.grid) if fp8 else 0, DMAX=fp8_dmax(plan.spec.grid) if fp8 else 0).items()}
 
 
+def _rows_collapse(t: torch.Tensor) -> bool:
+    """Whether t's leading dims flatten into one row index with the stride of dim -2."""
+    return all(t.shape[i] == 1 or t.stride(i) == t.shape[i + 1] * t.stride(i + 1) for i in range(t.dim() - 2))
+
+
 def triton_operands(t: torch.Tensor, plans: tuple[OperandPlan | None, OperandPlan | None], seeds: torch.Tensor,
                     signs: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
                     mu: torch.Tensor | None = None, tile: tuple[int, int, int] | None = None) -> list[Operand | None]:
-    """Operands of the 2D tensor t (any strides): plans[0] for t's rows, plans[1] for t^T's rows.
+    """Operands of the tensor t read as a matrix [rows, C] (its leading dims flattened; any strides):
+    plans[0] for the rows, plans[1] for the rows of the transpose.
 
     seeds: int64 [2] on t's device (Philox seeds of the two orientations, used under SR); signs: the
     Hadamard sign vectors (FP32 on t's device, or None); mu: per-column mean subtracted first.
+    An N-D t is read through its strides, not reshaped: under torch.compile a reshaped view of a fused
+    result can reach the kernel as a copy.
     """
-    if t.dim() != 2:
-        raise ValueError(f"triton_operands needs a 2D tensor, got shape {tuple(t.shape)}")
+    if t.dim() < 2:
+        raise ValueError(f"triton_operands needs a tensor of 2 or more dims, got shape {tuple(t.shape)}")
     for plan, s in zip(plans, signs):
         if plan is not None and plan.signed != (s is not None):
             raise ValueError("OperandPlan.signed must match whether a sign vector is given")
-    R, C = t.shape
+    if not _rows_collapse(t):
+        t = t.reshape(-1, t.shape[-1])
+    R, C = t.numel() // t.shape[-1], t.shape[-1]
+    s_r, s_c = t.stride(-2), t.stride(-1)
     dev = t.device
     (br, bc, warps, *reload), (sbr, sbc, swarps), consts, stat_flags = _launch_config(tuple(plans), tile)
     dims = ((R, C), (C, R))
@@ -289,7 +300,7 @@ def triton_operands(t: torch.Tensor, plans: tuple[OperandPlan | None, OperandPla
     signs_t = [s.to(device=dev, dtype=torch.float32) if s is not None else unused for s in signs]
     if any(p is not None and p.stat for p in plans):
         wrap_triton(_stats_kernel)[(triton.cdiv(R, sbr), triton.cdiv(C, sbc))](
-            t, R, C, t.stride(0), t.stride(1), mu_t, stats[0], signs_t[0], stats[1], signs_t[1],
+            t, R, C, s_r, s_c, mu_t, stats[0], signs_t[0], stats[1], signs_t[1],
             BR=sbr, BC=sbc, HAS_MU=mu is not None, EVEN=R % sbr == 0 and C % sbc == 0, num_warps=swarps,
             **stat_flags)
     args, cover = [], [0, 0]
@@ -304,6 +315,6 @@ def triton_operands(t: torch.Tensor, plans: tuple[OperandPlan | None, OperandPla
         side, eb, flags = (op.side.view(torch.uint8), op.eb, op.flags) if fp8 else (unused, unused, unused)
         args += [data, r_alloc, k_alloc, stat, op.scale, seeds[i:], s, side, eb, flags, plan.k_padded(k)]
     wrap_triton(_operand_kernel)[(triton.cdiv(cover[0], br), triton.cdiv(cover[1], bc))](
-        t, R, C, t.stride(0), t.stride(1), mu_t, *args, BR=br, BC=bc, HAS_MU=mu is not None, EVEN=even,
+        t, R, C, s_r, s_c, mu_t, *args, BR=br, BC=bc, HAS_MU=mu is not None, EVEN=even,
         INTERPRETED=dev.type == "cpu", RELOAD=bool(reload and reload[0]), num_warps=warps, **consts)
     return ops

@@ -223,6 +223,25 @@ def test_operand_kernel_transposed_orientation_from_a_second_load(name):
             assert_operands_exact(t, plans, seeds, signs, m, tile=(32, 64, 2, True))
 
 
+def test_operand_kernel_reads_an_nd_tensor_as_its_flattened_matrix():
+    """[B, S, C] in, through its strides (no reshape): the operands of the [B*S, C] matrix; a layout whose leading
+    dims do not flatten (a permuted view) is reshaped first and gives the same."""
+    from hf_fp4.kernels.operand import _rows_collapse, triton_operands
+
+    spec = QuantSpec.preset("mxfp4")
+    plans = (plan_for(spec, "fp8", 0, False), plan_for(spec, "fp8", 0, False))
+    seeds = torch.tensor([1, 2], device=DEV)
+    t3 = wide(48, 64, seed=5).reshape(3, 16, 64)
+    permuted = t3.transpose(0, 1).contiguous().transpose(0, 1)  # the same values, rows no longer collapsible
+    assert _rows_collapse(t3) and not _rows_collapse(permuted)
+    flat = assert_operands_exact(t3.reshape(48, 64), plans, seeds, (None, None))
+    for t in (t3, permuted):
+        for a, b in zip(triton_operands(t, plans, seeds), flat):
+            for x, y in zip((a.data, a.scale, a.eb, a.flags), (b.data, b.scale, b.eb, b.flags)):  # side: unset
+                assert torch.equal(x.view(torch.uint8) if x.dtype.itemsize == 1 else x,
+                                   y.view(torch.uint8) if y.dtype.itemsize == 1 else y)
+
+
 def test_operand_kernel_nan_blocks_become_nan():
     t = wide(32, 64, seed=8)
     t[3, 5] = math.nan

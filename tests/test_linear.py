@@ -65,6 +65,20 @@ def test_bf16_recipe_equals_nn_linear_exactly():
     assert torch.equal(ref.bias.grad, layer.bias.grad)
 
 
+@pytest.mark.parametrize("name", ["mxfp4", "nvfp4"])
+def test_a_batch_of_sequences_trains_as_its_flattened_tokens(name):
+    """x [B, S, K] (read by the kernels through its strides) gives the y, dx and dW of x [B*S, K]."""
+    _, layer = make_layer(name, seed=4)
+    layer.backend = "triton"
+    x, dy = inputs()
+    flat = run(layer, x, dy)
+    layer.sr_calls = 0
+    layer.zero_grad()
+    batched = run(layer, x.reshape(4, T // 4, K), dy.reshape(4, T // 4, N))
+    for a, b in zip(flat, batched):
+        assert torch.equal(a.reshape(b.shape), b) or torch.equal(a, b.reshape(a.shape))
+
+
 def test_under_autocast_the_gradients_are_nn_linears():
     """FP32 master weight and input under bf16 autocast: y, dx and dW in the dtypes and values nn.Linear gives
     (GEMM outputs in BF16, then the input's / weight's dtype)."""
