@@ -40,12 +40,29 @@ def gguf_names(layers: dict) -> set[str]:
     return {names.get_name(f"{n}.weight", try_suffixes=(".weight",)) for n in layers}
 
 
+def mxfp4_lossless(recipe) -> bool:
+    """Whether a LinearRecipe's fprop weight operand is GGUF MXFP4 as it is (see the module docstring)."""
+    spec = recipe.fprop.rhs
+    return (spec is not None and spec.grid is Grid.E2M1 and spec.block == (1, 32)
+            and spec.scale in (ScaleRule.E8M0_FLOOR, ScaleRule.E8M0_CEIL) and not recipe.fprop.hadamard.enabled
+            and recipe.lora_svd_rank == 0)
+
+
 def mxfp4_exact(module) -> bool:
     """Whether the layer's fprop weight operand is GGUF MXFP4 as it is (see the module docstring)."""
-    spec = module.recipe.fprop.rhs
-    return (spec is not None and spec.grid is Grid.E2M1 and spec.block == (1, 32)
-            and spec.scale in (ScaleRule.E8M0_FLOOR, ScaleRule.E8M0_CEIL) and not module.recipe.fprop.hadamard.enabled
-            and module.lora_svd_A is None and not module.frozen_weight)
+    return mxfp4_lossless(module.recipe) and module.lora_svd_A is None and not module.frozen_weight
+
+
+def gguf_note(recipe) -> str:
+    """What `scripts/export.py --format gguf` makes of a LinearRecipe's linear weights (model cards)."""
+    if recipe is not None and mxfp4_lossless(recipe):
+        return ("`scripts/export.py --format gguf` writes the decoder linear weights as GGUF MXFP4 tensors bit for "
+                "bit: the E2M1 codes and E8M0 scales this model trained with, repacked for llama.cpp.")
+    why = ("the weights are BF16" if recipe is None or recipe.fprop.rhs is None else
+           "its fprop weights are not E2M1 with E8M0 scales on 1x32 blocks without a Hadamard or LoRA-SVD term, "
+           "and GGUF has no type that holds them exactly (GGUF's NVFP4 lacks the per-tensor FP32 scale)")
+    return (f"`scripts/export.py --format gguf` writes the decoder linear weights in the type asked for "
+            f"(`--gguf_type`, BF16 by default) from their dequantized values: {why}.")
 
 
 def mxfp4_blocks(codes: torch.Tensor, scales: torch.Tensor, k: int) -> np.ndarray:

@@ -332,3 +332,17 @@ def test_lora_svd_model_exports_keep_the_low_rank_term(trained, tmp_path):
     for m in hf_fp4.fp4_modules(without).values():
         m.lora_svd_B.data.zero_()
     assert not torch.allclose(logits(weights_only(without)), got, atol=1e-2)
+
+
+def test_model_card_says_how_the_recipe_goes_to_gguf(trained, tmp_path):
+    """mxfp4 weights go to GGUF MXFP4 bit for bit; ufp4 (RHT on fprop, E1M2) and LoRA-SVD go dequantized."""
+    from hf_fp4 import preset
+    from hf_fp4.gguf_export import gguf_note
+    from hf_fp4.model_card import write_model_card
+
+    for recipe, says in (("mxfp4", "MXFP4 tensors bit for bit"), ("ufp4", "from their dequantized values")):
+        out = tmp_path / recipe
+        out.mkdir()
+        assert says in write_model_card(str(out), str(trained[recipe]), "fp4").read_text()
+    assert "bit for bit" not in gguf_note(preset("mxfp4", lora_svd_rank=4).linear)
+    assert "bit for bit" in gguf_note(preset("mxfp4_dh").linear)  # its Hadamard is on wgrad only
