@@ -271,7 +271,11 @@ class FP4Linear(nn.Linear):
             step.add_(1)
         need = (training and x.requires_grad, training and self.weight.requires_grad)
         observer = functools.partial(_notify, self) if _OBSERVERS else None
-        y = FP4LinearFunction.apply(x, self.weight, self.bias, seeds, signs, plan, need, _out_dtype(x), observer)
+        out_dtype = _out_dtype(x)
+        # Under autocast the activations enter the GEMMs in the autocast dtype, as nn.Linear's (and
+        # TransformerEngine's) do: x is quantized from BF16, and read in half the bytes.
+        x_in = x.to(out_dtype) if out_dtype != x.dtype and torch.is_autocast_enabled(x.device.type) else x
+        y = FP4LinearFunction.apply(x_in, self.weight, self.bias, seeds, signs, plan, need, out_dtype, observer)
         if self.lora_svd_A is not None:
             y = y + nn.functional.linear(nn.functional.linear(x, self.lora_svd_A), self.lora_svd_B)
         return y

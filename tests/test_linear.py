@@ -104,6 +104,13 @@ def test_under_autocast_the_gradients_are_nn_linears():
     assert y.dtype == torch.bfloat16 and dx.dtype == dw.dtype == torch.float32
     for g in (dx, dw):
         assert torch.equal(g, g.bfloat16().float())
+    seen = {}  # and x is quantized from its BF16 value, as nn.Linear and TransformerEngine cast it
+    with observe_operands(lambda m, g, r, op, q, spec: seen.setdefault((g, r), (op, q, spec))):
+        with torch.autocast(dev, dtype=torch.bfloat16):
+            fp4(x.to(dev))
+    op, q, spec = seen[("fprop", "lhs")]
+    assert torch.equal(op, x.to(dev).bfloat16().float())
+    assert torch.equal(q, fake_quantize(x.to(dev).bfloat16().float(), spec))
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
