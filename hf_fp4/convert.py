@@ -6,7 +6,7 @@ from typing import Callable
 from torch import nn
 
 from .linear import FP4Linear
-from .recipe import LinearRecipe, Recipe, block_index
+from .recipe import GEMMS, LinearRecipe, Recipe, block_index
 
 
 def swap_linear_layers(model: nn.Module, make_fp4: Callable[[str, nn.Linear], nn.Module | None],
@@ -96,6 +96,13 @@ def maybe_refresh_lora_svd(model: nn.Module, step: int) -> bool:
             m.lora_svd_split()
             done = True
     return done
+
+
+def run_gemms_in_bf16(model: nn.Module, gemms: tuple[str, ...], base: dict[str, LinearRecipe]) -> None:
+    """Every FP4 linear runs `gemms` unquantized and the others as its base recipe (`base`: module name ->
+    recipe, taken before any switch); a precision schedule's step (TrainConfig.precision_schedule)."""
+    for name, m in fp4_modules(model).items():
+        m.recipe = base[name].with_options(gemms=tuple(g for g in GEMMS if g not in gemms))
 
 
 def rng_state_dict(model: nn.Module) -> dict[str, int]:

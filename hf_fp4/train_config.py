@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -10,7 +11,7 @@ from typing import Any
 
 import yaml
 
-from .recipe import PRESET_NAMES, preset
+from .recipe import GEMMS, PRESET_NAMES, preset
 
 
 @dataclass
@@ -20,6 +21,8 @@ class TrainConfig:
     init_from: str = ""                           # continue from a checkpoint (scripts/convert.py --mode train)
     recipe: str = "bf16"                          # an hf_fp4 preset (hf_fp4.PRESET_NAMES)
     recipe_options: dict[str, Any] = field(default_factory=dict)  # FP4TrainConfig options (gemms, hadamard, ...)
+    # late high precision: [{at: 0.85, bf16: [fprop]}] runs the named GEMMs in BF16 from that fraction of max_steps on
+    precision_schedule: list[dict[str, Any]] = field(default_factory=list)
     # data
     dataset: Any = "builtin"                      # "builtin" | {"files": [...]} | {"hub": name, ...}
     tokenizer: str = "builtin"                    # "builtin" (BPE trained on the corpus) or an HF tokenizer
@@ -79,10 +82,32 @@ class TrainConfig:
             raise ValueError("model needs a model_type (e.g. llama, qwen2)")
         self._validate_model()
         preset(self.recipe, seed=self.seed, **self.recipe_options)  # unknown or ill-typed options fail here
+        self._validate_precision_schedule()
         if isinstance(self.dataset, dict) and "files" in self.dataset:
             missing = [str(f) for f in self.dataset["files"] if not Path(f).exists()]
             if missing:
                 raise FileNotFoundError(f"dataset.files: not found: {missing}")
+
+    def _validate_precision_schedule(self) -> None:
+        last = 0.0
+        for i, entry in enumerate(self.precision_schedule):
+            where = f"precision_schedule[{i}]"
+            if not isinstance(entry, dict) or set(entry) != {"at", "bf16"}:
+                raise ValueError(f"{where} must be a mapping with keys at, bf16 (e.g. {{at: 0.85, bf16: [fprop]}}), "
+                                 f"got {entry!r}")
+            at, gemms = entry["at"], entry["bf16"]
+            if isinstance(at, bool) or not isinstance(at, (int, float)) or not last < at <= 1:
+                raise ValueError(f"{where}.at must be a fraction of max_steps in ({last}, 1], increasing; got {at!r}")
+            if not isinstance(gemms, list) or not gemms or set(gemms) - set(GEMMS):
+                raise ValueError(f"{where}.bf16 must be a non-empty list of GEMMs from {', '.join(GEMMS)}; "
+                                 f"got {gemms!r}")
+            last = float(at)
+
+    def bf16_gemms_at(self, step: int) -> tuple[str, ...]:
+        """The GEMMs the precision schedule runs in BF16 for the step after `step` completed ones."""
+        switched = {g for e in self.precision_schedule if step >= math.ceil(e["at"] * self.max_steps)
+                    for g in e["bf16"]}
+        return tuple(g for g in GEMMS if g in switched)
 
     def _validate_model(self) -> None:
         """The model's type is one transformers knows, and its attention shapes divide."""

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import yaml
 
-from .convert import fp4_modules, load_rng_state_dict, maybe_refresh_lora_svd, rng_state_dict
+from .convert import fp4_modules, load_rng_state_dict, maybe_refresh_lora_svd, rng_state_dict, run_gemms_in_bf16
 from .data import TokenWindows, atomic_write_text, fingerprint, prepare_data
 from .diagnostics import locate_non_finite
 from .extras import optional
@@ -340,7 +340,14 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> di
     bar = tqdm(total=cfg.max_steps, initial=state.step, disable=not accelerator.is_main_process, desc="train")
     record: dict[str, Any] = {}
     params = [p for p in model.parameters() if p.requires_grad]
+    base_recipes = {name: m.recipe for name, m in fp4_modules(accelerator.unwrap_model(model)).items()}
+    bf16_gemms: tuple[str, ...] = ()
     while state.step < cfg.max_steps:
+        if cfg.bf16_gemms_at(state.step) != bf16_gemms:  # the precision schedule: a function of the step alone
+            bf16_gemms = cfg.bf16_gemms_at(state.step)
+            run_gemms_in_bf16(accelerator.unwrap_model(model), bf16_gemms, base_recipes)
+            accelerator.print(f"hf_fp4: from step {state.step + 1} on, {', '.join(bf16_gemms)} in BF16 "
+                              "(precision_schedule)")
         t0 = time.perf_counter()
         loss_sum, finite, reason = 0.0, True, ""
         for micro in range(cfg.grad_accum):
@@ -388,6 +395,8 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> di
         record = {"step": state.step, "loss": loss_sum if finite else None, "lr": scheduler.get_last_lr()[0],
                   "grad_norm": grad_norm if finite else None, "tokens_per_s": tokens_per_step / dt,
                   "skipped": not finite}
+        if bf16_gemms:
+            record["bf16_gemms"] = list(bf16_gemms)
         if not finite:
             record["reason"] = reason
             accelerator.print(f"hf_fp4: step {state.step} skipped ({reason}); "

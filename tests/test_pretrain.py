@@ -473,3 +473,41 @@ def test_a_finite_loss_with_a_non_finite_gradient_is_skipped(corpus_files, tmp_p
     assert [r["skipped"] for r in recs] == [False, False, True, False, False]
     assert "gradient norm is nan" in recs[2]["reason"]
     assert all(r["loss"] is not None and r["loss"] == r["loss"] for r in recs[3:])  # the weights stayed finite
+
+
+def test_precision_schedule_switches_gemms_to_bf16_and_resumes_exactly(corpus_files, tmp_path, monkeypatch):
+    """precision_schedule [{at: 0.5, bf16: [fprop]}] over 8 steps: steps 1-4 are the plain recipe's, from step 5
+    on fprop runs unquantized (the losses part), the records say so, and a run stopped after its step-6
+    checkpoint resumes into the same losses."""
+    options = {"max_steps": 8, "eval_every": 100, "checkpoint_every": 2, "keep_checkpoints": 5}
+    schedule = [{"at": 0.5, "bf16": ["fprop"]}]
+    trainer.train(TrainConfig.from_dict(tiny_cfg(corpus_files, tmp_path / "plain", **options)))
+    trainer.train(TrainConfig.from_dict(tiny_cfg(corpus_files, tmp_path / "ref", precision_schedule=schedule,
+                                                 **options)))
+    plain, ref = losses(tmp_path / "plain"), losses(tmp_path / "ref")
+    assert plain[:4] == ref[:4] and all(a != b for a, b in zip(plain[4:], ref[4:]))
+    assert [r.get("bf16_gemms") for r in records(tmp_path / "ref")] == [None] * 4 + [["fprop"]] * 4
+    undo = stop_after_checkpoint(monkeypatch, 6)
+    cfg = TrainConfig.from_dict(tiny_cfg(corpus_files, tmp_path / "run", precision_schedule=schedule, **options))
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train(cfg)
+    undo()
+    trainer.train(cfg, resume=True)
+    assert losses(tmp_path / "run") == ref
+
+
+def test_run_gemms_in_bf16_gives_the_unquantized_product():
+    """The schedule's switch: fprop in BF16 makes the layer's output nn.Linear's, and back to the recipe after."""
+    from torch import nn
+
+    from hf_fp4 import FP4Linear, preset
+    from hf_fp4.convert import run_gemms_in_bf16
+
+    model = nn.Sequential(FP4Linear.from_linear(nn.Linear(64, 32), preset("nvfp4").linear, name="0"))
+    base = {"0": model[0].recipe}
+    x = torch.randn(8, 64)
+    quantized = model(x)
+    run_gemms_in_bf16(model, ("fprop",), base)
+    assert torch.equal(model(x), nn.functional.linear(x, model[0].weight, model[0].bias))
+    run_gemms_in_bf16(model, (), base)
+    assert torch.equal(model(x), quantized)
