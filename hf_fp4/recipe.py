@@ -144,13 +144,19 @@ class LinearRecipe:
     def with_options(self, *, gemms: tuple[str, ...] | None = None, hadamard: str | None = None,
                      hadamard_size: int | None = None, grid: str | None = None,
                      mean_bias_removal: bool | None = None, lora_svd_rank: int | None = None,
-                     lora_svd_refresh_every: int | None = None) -> "LinearRecipe":
-        """The ablation switches: which GEMMs stay quantized, Hadamard kind/size, element grid, ..."""
+                     lora_svd_refresh_every: int | None = None, stochastic_rounding: bool | None = None,
+                     weight_blocks: str | None = None) -> "LinearRecipe":
+        """The ablation switches: which GEMMs stay quantized, Hadamard kind/size, element grid, mean-bias
+        removal, LoRA-SVD; stochastic_rounding=False rounds every operand to nearest; weight_blocks "1d" / "2d"
+        gives the weight operands (fprop and dgrad rhs) 1 x B or B x B blocks."""
         for key, value, kind in (("hadamard_size", hadamard_size, int), ("mean_bias_removal", mean_bias_removal, bool),
                                  ("lora_svd_rank", lora_svd_rank, int),
-                                 ("lora_svd_refresh_every", lora_svd_refresh_every, int)):
+                                 ("lora_svd_refresh_every", lora_svd_refresh_every, int),
+                                 ("stochastic_rounding", stochastic_rounding, bool), ("weight_blocks", weight_blocks, str)):
             if value is not None and (not isinstance(value, kind) or (kind is int and isinstance(value, bool))):
                 raise ValueError(f"recipe option {key} must be {kind.__name__}, got {type(value).__name__} {value!r}")
+        if weight_blocks not in (None, "1d", "2d"):
+            raise ValueError(f"recipe option weight_blocks={weight_blocks!r}: valid values are 1d, 2d")
         changes: dict[str, Any] = {}
         for name in GEMMS:
             g = self.gemm(name)
@@ -163,6 +169,12 @@ class LinearRecipe:
             if grid is not None:
                 g = dataclasses.replace(g, lhs=g.lhs and dataclasses.replace(g.lhs, grid=grid),
                                         rhs=g.rhs and dataclasses.replace(g.rhs, grid=grid))
+            if stochastic_rounding is False:
+                g = dataclasses.replace(g, lhs=g.lhs and dataclasses.replace(g.lhs, rounding="nearest"),
+                                        rhs=g.rhs and dataclasses.replace(g.rhs, rounding="nearest"))
+            if weight_blocks is not None and name in ("fprop", "dgrad") and g.rhs is not None:
+                b = g.rhs.block[1]
+                g = dataclasses.replace(g, rhs=dataclasses.replace(g.rhs, block=(1, b) if weight_blocks == "1d" else (b, b)))
             if hadamard is not None or hadamard_size is not None:
                 kind = hadamard if hadamard is not None else g.hadamard.kind
                 size = hadamard_size if hadamard_size is not None else g.hadamard.size

@@ -337,6 +337,9 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> di
               f"({accelerator.distributed_type.value}), "
               f"{len(fp4_modules(accelerator.unwrap_model(model)))} FP4 linears, {tokens_per_step} tokens/step, "
               f"{data.train_tokens} train / {data.val_tokens} val tokens")
+        atomic_write_text(run_dir / "run_info.json", json.dumps(
+            {"train_tokens_available": data.train_tokens, "val_tokens": data.val_tokens,
+             "tokens_per_step": tokens_per_step, "processes": world, "parameters": n_params}))
     bar = tqdm(total=cfg.max_steps, initial=state.step, disable=not accelerator.is_main_process, desc="train")
     record: dict[str, Any] = {}
     params = [p for p in model.parameters() if p.requires_grad]
@@ -392,7 +395,8 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> di
             state.skipped += 1
         optimizer.zero_grad(set_to_none=True)
         dt = time.perf_counter() - t0
-        record = {"step": state.step, "loss": loss_sum if finite else None, "lr": scheduler.get_last_lr()[0],
+        record = {"step": state.step, "tokens": state.step * tokens_per_step,
+                  "loss": loss_sum if finite else None, "lr": scheduler.get_last_lr()[0],
                   "grad_norm": grad_norm if finite else None, "tokens_per_s": tokens_per_step / dt,
                   "skipped": not finite}
         if bf16_gemms:

@@ -1,0 +1,77 @@
+"""scripts/study.py / hf_fp4.study: a study runs every run once, resumes what was interrupted, and its table
+is computed from the runs' own metrics."""
+import json
+import shutil
+import statistics
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hf_fp4.study import gap_table, load_study, run_study, summarize
+from test_pretrain import losses, tiny_cfg
+
+
+def write_study(tmp_path, files, runs, **extra):
+    base = tiny_cfg(files, tmp_path / "unused")
+    del base["output_dir"]
+    (tmp_path / "base.yaml").write_text(yaml.safe_dump(base))
+    spec = {"name": "t", "base": "base.yaml", "overrides": {"max_steps": 4, "eval_every": 2, "checkpoint_every": 2},
+            "runs": runs, **extra}
+    (tmp_path / "study.yaml").write_text(yaml.safe_dump(spec))
+    return tmp_path / "study.yaml"
+
+
+def test_study_runs_each_run_once_resumes_and_tabulates(corpus_files, tmp_path, capsys):
+    runs = [{"recipe": "bf16", "seeds": [0, 1]}, {"recipe": "nvfp4"},
+            {"label": "nvfp4-late-bf16", "recipe": "nvfp4", "precision_schedule": [{"at": 0.5, "bf16": ["fprop"]}]}]
+    out = tmp_path / "out"
+    study = load_study(write_study(tmp_path, corpus_files, runs), out)
+    assert [r.name for r in study.runs] == ["bf16-s0", "bf16-s1", "nvfp4-s0", "nvfp4-late-bf16-s0"]
+    codes = run_study(study, out, parallel=2, poll_s=0.1)
+    assert codes == {r.name: 0 for r in study.runs}, [(out / "logs" / f"{n}.log").read_text()[-2000:]
+                                                       for n, c in codes.items() if c]
+    summary = summarize(study, out)
+    got = {r["run"]: r for r in summary["runs"]}
+    for r in got.values():
+        assert r["steps"] == 4 and r["tokens_trained"] == 4 * 4 * 32  # steps x batch x seq_len
+        assert r["unique_tokens_available"] > 0 and r["epochs"] == round(512 / r["unique_tokens_available"], 4)
+        assert r["final_val_loss"] == r["val_curve"][-1][1]
+    assert got["bf16-s0"]["final_val_loss"] != got["bf16-s1"]["final_val_loss"]  # the seeds differ
+    bf16 = statistics.mean([got["bf16-s0"]["final_val_loss"], got["bf16-s1"]["final_val_loss"]])
+    table = (out / "table.md").read_text()
+    gap = 100 * (got["nvfp4-s0"]["final_val_loss"] - bf16) / bf16
+    assert f"| nvfp4 | nvfp4 | 1 |" in table and f"{gap:+.2f}%" in table and "bf16 seed spread" in table
+    assert (out / "val_curves.png").exists() and (out / "gaps.png").exists()
+    assert json.loads((out / "results.json").read_text())["study"] == "t"
+
+    # the same command again runs nothing; an interrupted run (no final/, a checkpoint) resumes exactly
+    before = losses(out / "runs" / "nvfp4-s0")
+    shutil.rmtree(out / "runs" / "nvfp4-s0" / "final")
+    shutil.rmtree(out / "runs" / "nvfp4-s0" / "checkpoints" / "step_4")
+    capsys.readouterr()
+    assert run_study(study, out, parallel=2, poll_s=0.1) == {r.name: 0 for r in study.runs}
+    printed = capsys.readouterr().out
+    assert printed.count("finished earlier, skipped") == 3 and "resuming nvfp4-s0" in printed
+    assert losses(out / "runs" / "nvfp4-s0") == before
+
+
+def test_a_bad_study_fails_before_any_run(corpus_files, tmp_path):
+    with pytest.raises(ValueError, match="run nvfp4-s0: .*recipe option"):
+        load_study(write_study(tmp_path, corpus_files, [{"recipe": "bf16"},
+                                                        {"recipe": "nvfp4", "recipe_options": {"rank": 8}}]), tmp_path)
+    with pytest.raises(ValueError, match="two runs are named 'nvfp4-s0'"):
+        load_study(write_study(tmp_path, corpus_files, [{"recipe": "nvfp4"}, {"recipe": "nvfp4"}]), tmp_path)
+    with pytest.raises(ValueError, match="unknown study key"):
+        load_study(write_study(tmp_path, corpus_files, [{"recipe": "bf16"}], seed=[1]), tmp_path)
+    assert not (tmp_path / "runs").exists()
+
+
+def test_gap_table_reports_the_bf16_seed_spread():
+    rows = [{"label": "bf16", "recipe": "bf16", "final_val_loss": v, "tokens_trained": 10, "epochs": 0.5}
+            for v in (4.0, 4.2)] + [{"label": "x", "recipe": "nvfp4", "final_val_loss": 4.41, "tokens_trained": 10,
+                                     "epochs": 0.5}]
+    table = gap_table(rows)
+    assert "| bf16 | bf16 | 2 | 10 | 0.5 | 4.1000 ± 0.1000 | +0.00% |" in table
+    assert "| x | nvfp4 | 1 | 10 | 0.5 | 4.4100 ± 0.0000 | +7.56% |" in table
+    assert "± 0.1000 (2.44% of its mean)" in table
