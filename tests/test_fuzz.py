@@ -7,8 +7,9 @@ import dataclasses
 
 import pytest
 import torch
+from conftest import need
 
-hypothesis = pytest.importorskip("hypothesis")
+hypothesis = need("hypothesis", "test")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 

@@ -13,6 +13,7 @@ import yaml
 
 from hf_fp4 import trainer
 from hf_fp4.train_config import TrainConfig, load_config
+from conftest import need
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_MODEL = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -368,7 +369,7 @@ def test_compare_runs_writes_a_plot_and_a_gap_table(tmp_path):
 
 
 def test_tensorboard_tracker_writes_events(corpus_files, tmp_path):
-    pytest.importorskip("tensorboard")
+    need("tensorboard", "tensorboard")
     cfg = TrainConfig.from_dict(tiny_cfg(corpus_files, tmp_path / "tb", max_steps=2, eval_every=2,
                                          trackers=["tensorboard"]))
     trainer.train(cfg)
