@@ -175,12 +175,18 @@ def _run_result(run: StudyRun) -> dict | None:
             "final_val_loss": val[-1][1] if val else None, "val_curve": val}
 
 
-def gap_table(results: list[dict]) -> str:
-    """Mean final validation loss per label (± half the range over seeds) and its gap to bf16's mean."""
+def _by_label(results: list[dict]) -> dict[str, list[dict]]:
+    """The runs with a final validation loss, grouped by label (the seeds of one label together)."""
     groups: dict[str, list[dict]] = {}
     for r in results:
         if r["final_val_loss"] is not None:
             groups.setdefault(r["label"], []).append(r)
+    return groups
+
+
+def gap_table(results: list[dict]) -> str:
+    """Mean final validation loss per label (± half the range over seeds) and its gap to bf16's mean."""
+    groups = _by_label(results)
     base = groups.get("bf16")
     base_mean = statistics.mean(r["final_val_loss"] for r in base) if base else None
     spread = (max(r["final_val_loss"] for r in base) - min(r["final_val_loss"] for r in base)) / 2 if base else None
@@ -226,10 +232,7 @@ def _plot(results: list[dict], out: Path) -> None:
     fig.tight_layout()
     fig.savefig(out / "val_curves.png", dpi=120)
     plt.close(fig)
-    groups: dict[str, list[float]] = {}
-    for r in results:
-        if r["final_val_loss"] is not None:
-            groups.setdefault(r["label"], []).append(r["final_val_loss"])
+    groups = {label: [r["final_val_loss"] for r in runs] for label, runs in _by_label(results).items()}
     if "bf16" not in groups:
         return
     base = statistics.mean(groups["bf16"])

@@ -346,8 +346,8 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> di
     base_recipes = {name: m.recipe for name, m in fp4_modules(accelerator.unwrap_model(model)).items()}
     bf16_gemms: tuple[str, ...] = ()
     while state.step < cfg.max_steps:
-        if cfg.bf16_gemms_at(state.step) != bf16_gemms:  # the precision schedule: a function of the step alone
-            bf16_gemms = cfg.bf16_gemms_at(state.step)
+        if (wanted := cfg.bf16_gemms_at(state.step)) != bf16_gemms:  # the precision schedule: the step's alone
+            bf16_gemms = wanted
             run_gemms_in_bf16(accelerator.unwrap_model(model), bf16_gemms, base_recipes)
             accelerator.print(f"hf_fp4: from step {state.step + 1} on, {', '.join(bf16_gemms)} in BF16 "
                               "(precision_schedule)")
