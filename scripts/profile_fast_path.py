@@ -3,6 +3,7 @@
 
     python scripts/profile_fast_path.py [--n 8192] [--only-operand PRESET]   (the latter: for ncu)
     python scripts/profile_fast_path.py --e2e bf16,mxfp4,nvfp4    (GPU time per kernel of a 1.1B train step)
+    python scripts/profile_fast_path.py --copies bf16_compiled,mxfp4 [--code-dir DIR]   (inductor's stores)
 
 1. Operand quantization of an n x n bf16 tensor: eager (CUDA events around the Python call, so launch
    overhead counts when the GPU is faster than the host) against the replay of a captured CUDA graph
@@ -10,6 +11,8 @@
 2. torch.profiler over FP4Linear forward + backward (4096 x 4096, 8192 tokens): GPU time per kernel.
 3. --e2e: torch.profiler over train steps of bench.py's 1.1B Llama (blocks compiled, default mode):
    GPU time per kernel, and the busy fraction of the step (host-bound when far below 1).
+4. --copies: the kernels torch.compile generates around ours in one decoder block, by store count (a kernel
+   storing one value into many buffers copies an input of our kernels once per argument slot).
 """
 from __future__ import annotations
 
@@ -77,12 +80,19 @@ def main():
                    "ufp4-dualH", help="operand cases of --sweep")
     p.add_argument("--cprofile", action="store_true", help="host-side profile of one operands() call")
     p.add_argument("--e2e", default=None, help="comma list of bench.py impl names or presets")
+    p.add_argument("--copies", default=None,
+                   help="comma list of impls: inductor's kernels of one compiled 1.1B block's train step, by stores")
+    p.add_argument("--code-dir", default=None, help="--copies: write each impl's generated code here")
     p.add_argument("--mutations", action="store_true",
                    help="which arguments torch.compile believes each kernel writes (it copies those inputs)")
     args = p.parse_args()
     dev = "cuda"
     if args.mutations:
         mutations(dev)
+        return
+    if args.copies:
+        for name in args.copies.split(","):
+            inductor_stores(name, args.code_dir)
         return
     if args.e2e:
         for name in args.e2e.split(","):
@@ -148,7 +158,7 @@ def profile_e2e(name: str, steps: int = 3) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench import LLAMA_1B, build_model, train_step
 
-    impl = name if name in ("bf16", "bf16_compiled") or ":" in name else f"hf_fp4:{name}:compiled"
+    impl = _impl(name)
     torch._dynamo.reset()
     model, cfg = build_model(impl, LLAMA_1B, "cuda")
     train, opt = train_step(model, "cuda")
@@ -171,6 +181,41 @@ def profile_e2e(name: str, steps: int = 3) -> None:
         print(f"| {e.key[:70]} | {ms:.2f} | {ms / gpu_ms:.0%} |")
     del model, opt
     torch.cuda.empty_cache()
+
+
+def _impl(name: str) -> str:
+    return name if name in ("bf16", "bf16_compiled") or ":" in name else f"hf_fp4:{name}:compiled"
+
+
+def inductor_stores(name: str, code_dir: str | None) -> None:
+    """The kernels inductor generates for one decoder block's forward + backward, with their store counts:
+    a kernel that stores one input into many buffers is copying it for the kernels that read it."""
+    import re
+    import sys
+    from pathlib import Path
+
+    from torch._inductor.utils import run_and_get_code
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench import LLAMA_1B, build_model, train_step
+
+    torch._dynamo.reset()
+    model, cfg = build_model(_impl(name), {**LLAMA_1B, "num_hidden_layers": 1}, "cuda")
+    train, _ = train_step(model, "cuda")
+    ids = torch.randint(0, cfg.vocab_size, (4, 2048), device="cuda")
+    _, codes = run_and_get_code(train, ids)
+    if code_dir:
+        Path(code_dir).mkdir(parents=True, exist_ok=True)
+        Path(code_dir, f"{name.replace(':', '_')}.py").write_text("\n\n# ----- next graph -----\n".join(codes))
+    kernels = []
+    for code in codes:
+        for m in re.finditer(r"'kernel_name': '(\w+)'.*?'num_store': (\d+)", code):
+            kernels.append((m.group(1), int(m.group(2))))
+    copies = sum(1 for code in codes for _ in re.finditer(r"\bcopy_\(|clone\(", code))
+    print(f"\n## {name}: {len(codes)} graphs, {len(kernels)} inductor kernels, {sum(n for _, n in kernels)} stores, "
+          f"{copies} copy_/clone calls in the wrappers")
+    for kname, n in sorted(kernels, key=lambda k: -k[1])[:8]:
+        print(f"| {kname[:80]} | {n} stores |")
 
 
 def mutations(dev: str) -> None:
