@@ -28,6 +28,7 @@ __all__ += [
     "observe_operands", "lora_svd_split", "maybe_refresh_lora_svd", "rng_state_dict", "load_rng_state_dict",
 ]
 
+from .compile import compile_model  # noqa: E402
 from .diagnostics import collect_diagnostics  # noqa: E402
 
-__all__ += ["collect_diagnostics"]
+__all__ += ["collect_diagnostics", "compile_model"]

@@ -18,6 +18,7 @@ and a resumed run continues the same stream once `sr_calls` is restored (see `rn
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import zlib
 from typing import Callable
@@ -94,6 +95,9 @@ class FP4Linear(nn.Linear):
         self.layer_name = name
         self.seed = seed
         self.backend = "auto"
+        # Set by hf_fp4.compile_model when the layer runs under CUDA graphs: its kernels are launched from opaque
+        # custom ops there (see LinearPlan.triton_ops).  Numerics are the same either way.
+        self.cuda_graphs = False
         # Plain tensor attributes, not buffers: they are not weights, and HF's meta-device loading
         # would leave non-persistent buffers uninitialised.  Created on the input's device at first use.
         # Seeds and fixed sign vectors are computed here, eagerly (crc32 and torch.Generator are not
@@ -128,6 +132,7 @@ class FP4Linear(nn.Linear):
 
     def _build_plans(self) -> None:
         self._plans = {b: LinearPlan.build(self._recipe, b, self._frozen_weight) for b in ("reference", "triton")}
+        self._plans["graphs"] = dataclasses.replace(self._plans["triton"], triton_ops=False)
 
     # ------------------------------------------------------------------------------------------
     # LoRA-SVD residual compensation (Full-Stack FP4)
@@ -259,7 +264,8 @@ class FP4Linear(nn.Linear):
 
     # ------------------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        plan = self._plans[self.resolved_backend(x)]
+        backend = self.resolved_backend(x)
+        plan = self._plans["graphs" if backend == "triton" and self.cuda_graphs else backend]
         if self._step.device != x.device:  # moved without Module.to() (e.g. by a sharding wrapper)
             self._place_rng(self._step.to(x.device) if not self._step.is_meta else
                             torch.zeros((), dtype=torch.int64, device=x.device))
@@ -316,7 +322,7 @@ def _tensor_operands(t, plan: LinearPlan, seeds, signs, mu, need, tensor, observ
     pair = getattr(plan, tensor)
     plans = (pair[0], pair[1] if need else None)
     s = tuple(signs[GEMMS.index(g)] for g, _ in ROLES[tensor])
-    ops = operands(t, plans, seeds, s, mu, plan.key(tensor, need))
+    ops = operands(t, plans, seeds, s, mu, plan.key(tensor, need), plan.triton_ops)
     if observer is not None:
         t = t.reshape(-1, t.shape[-1])
         observer(tensor, t if mu is None else t.float() - mu, plans, ops, signs)
@@ -341,7 +347,8 @@ class FP4LinearFunction(torch.autograd.Function):
         if plan.forms[0] == "hp" and mu is None:
             y = nn.functional.linear(x2, weight, bias)  # quantization off: exactly nn.Linear
         else:
-            y = gemm(ox, ow, (plan.x[0], plan.w[0]), x2.shape[0], n, torch.float32 if mu is not None else out_dtype)
+            y = gemm(ox, ow, (plan.x[0], plan.w[0]), x2.shape[0], n, torch.float32 if mu is not None else out_dtype,
+                     plan.triton_ops)
             if mu is not None:
                 y = y.float() + mu @ weight.float().t()  # rank-one mean term, high precision
             if bias is not None:
@@ -372,10 +379,11 @@ class FP4LinearFunction(torch.autograd.Function):
         if need_dx:
             # dgrad: dx = Q(dy) Q(W^T)^T    [T,N] @ [N,K] -> [T,K]
             # (outputs in the activation dtype, as nn.Linear's under autocast, then in the input's dtype)
-            dx = gemm(ody, owt, (plan.dy[0], plan.w[1]), t, k, act_dtype).to(x_dtype).reshape(x_shape)
+            dx = gemm(ody, owt, (plan.dy[0], plan.w[1]), t, k, act_dtype, plan.triton_ops).to(x_dtype).reshape(x_shape)
         if need_dw:
             # wgrad: dW = Q(dy^T) Q(x^T)^T    [N,T] @ [T,K] -> [N,K]
-            dw = gemm(odyt, oxt, (plan.dy[1], plan.x[1]), n, k, torch.float32 if mu is not None else act_dtype)
+            dw = gemm(odyt, oxt, (plan.dy[1], plan.x[1]), n, k, torch.float32 if mu is not None else act_dtype,
+                      plan.triton_ops)
             if mu is not None:
                 dw = dw + dy2.float().sum(0)[:, None] * mu[None, :]
             dw = dw.to(w_dtype)

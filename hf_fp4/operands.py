@@ -41,7 +41,8 @@ from .scales import ScaleRule
 
 BACKENDS = ("auto", "reference", "triton")
 #: CUDA launches through triton_ops (torch.compile traces into them and launches the kernels from its own code);
-#: HF_FP4_TRITON_OPS=0 keeps the opaque custom ops on CUDA too (a Python call per op, inputs never copied).
+#: HF_FP4_TRITON_OPS=0 keeps the opaque custom ops on CUDA too (a Python call per op, inputs never copied);
+#: a LinearPlan with triton_ops=False (FP4Linear.cuda_graphs) does the same for one layer.
 TRITON_OPS = os.environ.get("HF_FP4_TRITON_OPS", "1") != "0"
 
 
@@ -136,19 +137,23 @@ def quantized_pair(plans) -> tuple[OperandPlan | None, OperandPlan | None]:
 
 def operands(t: torch.Tensor, plans: tuple[OperandPlan | None, OperandPlan | None], seeds: torch.Tensor,
              signs: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
-             mu: torch.Tensor | None = None, key: str | None = None) -> tuple[Operand | None, Operand | None]:
+             mu: torch.Tensor | None = None, key: str | None = None,
+             triton_ops: bool = True) -> tuple[Operand | None, Operand | None]:
     """Both orientations of a tensor t read as a matrix [rows, C] (leading dims flattened): plans[0] for its
     rows, plans[1] for the rows of its transpose.
 
     Quantized orientations come from one custom-op call (the kernels read t once for both, through its
     strides: an N-D t is not reshaped); an unquantized ("hp") orientation is t itself (minus mu, in t's
-    dtype), transposed as a view.
+    dtype), transposed as a view.  triton_ops=False launches the kernels from an opaque custom op even under
+    torch.compile on CUDA (see LinearPlan.triton_ops).
     """
     quantized = quantized_pair(plans)
     out: list = [None, None]
     if any(quantized):  # `key` (plans_key of the pair) may be precomputed: json does not trace
-        traceable = TRITON_OPS and t.is_cuda and all(p is None or p.form in KERNEL_FORMS for p in quantized)
+        traceable = TRITON_OPS and triton_ops and t.is_cuda and all(p is None or p.form in KERNEL_FORMS for p in quantized)
         op = _operands_cuda_op if traceable else _operands_op
+        if traceable and torch.compiler.is_compiling():
+            t = _one_buffer(t)
         flat = op(t, mu, seeds, *signs, key or plans_key(quantized))
         out = [Operand(*flat[5 * i:5 * i + 5]) if p is not None else None for i, p in enumerate(quantized)]
     if any(p is not None and p.form == "hp" for p in plans):
@@ -159,6 +164,16 @@ def operands(t: torch.Tensor, plans: tuple[OperandPlan | None, OperandPlan | Non
             if p is not None and p.form == "hp":
                 out[i] = Operand(raw if i == 0 else raw.t(), none, none, none, none)
     return tuple(out)
+
+
+def _one_buffer(t: torch.Tensor) -> torch.Tensor:
+    """t as one realised buffer with the strides the kernels were traced with.  Inductor hands each launch of a
+    user Triton kernel an input whose strides are fixed; when that input is a fused pointwise result it has no
+    buffer yet, and inductor makes (and recomputes) a copy of it per launch -- x of q/k/v went into six copies.
+    Forcing the stride order once gives every launch the same buffer, written by the pointwise kernel itself."""
+    from torch._inductor import inductor_prims  # noqa: F401  (registers prims.inductor_force_stride_order)
+
+    return torch.ops.prims.inductor_force_stride_order(t, t.stride())
 
 
 def _fp8_gemm_kernels(a_data: torch.Tensor, a_scale: torch.Tensor, a_side: torch.Tensor, a_eb: torch.Tensor,
@@ -183,7 +198,7 @@ def _(a_data, a_scale, a_side, a_eb, a_flags, b_data, b_scale, b_side, b_eb, b_f
 
 
 def gemm(a: Operand, b: Operand, plans: tuple[OperandPlan, OperandPlan], m: int, n: int,
-         out_dtype: torch.dtype) -> torch.Tensor:
+         out_dtype: torch.dtype, triton_ops: bool = True) -> torch.Tensor:
     """a [M, K] @ b [N, K]^T -> [M, N] in out_dtype, by the form both plans share."""
     form = plans[0].form
     if form == "hp":
@@ -192,7 +207,7 @@ def gemm(a: Operand, b: Operand, plans: tuple[OperandPlan, OperandPlan], m: int,
         return (a.data @ b.data.t()).to(out_dtype)
     if form == "fp8":
         pa, pb = plans
-        op = _fp8_gemm_cuda_op if TRITON_OPS and a.data.is_cuda else _fp8_gemm_op
+        op = _fp8_gemm_cuda_op if TRITON_OPS and triton_ops and a.data.is_cuda else _fp8_gemm_op
         return op(*a, *b, m, n, out_dtype, pa.spec.block[1], fp8_shift(pa.spec.grid),
                             pb.spec.block[1], fp8_shift(pb.spec.grid))
     # bf16: exact operands, FP32 accumulation, the two FP32 tensor scales on the output
@@ -214,6 +229,10 @@ class LinearPlan:
     forms: tuple[str, str, str]  # fprop, dgrad, wgrad
     mean_bias: bool = False
     frozen_weight: bool = False  # a packed export: fprop's weight operand is the stored tensor itself
+    # torch.compile launches the kernels from its generated code (triton_op: no Python per launch, but inductor
+    # copies an unrealised input per launch); False keeps them in opaque custom ops, which is faster where CUDA
+    # graphs replay the step (no Python per launch either, and no copies): FP4Linear.cuda_graphs.
+    triton_ops: bool = True
     keys: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)  # (tensor, both) -> op key
 
     def key(self, tensor: str, both: bool) -> str:

@@ -12,6 +12,7 @@ from typing import Any
 import yaml
 
 from .recipe import GEMMS, PRESET_NAMES, preset
+from .compile import BACKENDS as COMPILE_BACKENDS, MODES
 
 
 @dataclass
@@ -45,7 +46,7 @@ class TrainConfig:
     seed: int = 0
     mixed_precision: str = "auto"                 # auto (bf16 on GPU, no on CPU) | bf16 | no
     compile: Any = "auto"                         # torch.compile each decoder block: auto (on GPU) | true | false
-    compile_mode: str = "default"                 # default | reduce-overhead (CUDA graphs) | max-autotune-no-cudagraphs
+    compile_mode: str = "auto"                    # auto (CUDA graphs on GPU) | default | reduce-overhead | max-autotune...
     compile_backend: str = "inductor"             # inductor | aot_eager (debugging: same numerics as eager)
     # bookkeeping
     output_dir: str = "runs/default"
@@ -65,8 +66,7 @@ class TrainConfig:
             raise ValueError(f"recipe={self.recipe!r}: unknown; valid presets: {', '.join(PRESET_NAMES)}")
         choices = {"schedule": ("cosine", "wsd", "constant"), "mixed_precision": ("auto", "bf16", "no"),
                    "compile": ("auto", True, False),
-                   "compile_mode": ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune"),
-                   "compile_backend": ("inductor", "aot_eager", "eager")}
+                   "compile_mode": MODES, "compile_backend": COMPILE_BACKENDS}
         for key, valid in choices.items():
             if getattr(self, key) not in valid:
                 raise ValueError(f"{key}={getattr(self, key)!r}: valid values are "

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import yaml
 
+from .compile import CUDA_GRAPH_MODES, compile_model, resolve_mode
 from .convert import fp4_modules, load_rng_state_dict, maybe_refresh_lora_svd, rng_state_dict, run_gemms_in_bf16
 from .data import TokenWindows, atomic_write_text, fingerprint, prepare_data
 from .diagnostics import locate_non_finite
@@ -61,17 +62,6 @@ def run_fingerprint(cfg: TrainConfig) -> str:
     skip = {"output_dir", "max_steps", "eval_every", "log_every", "checkpoint_every", "keep_checkpoints",
             "trackers", "eval_batches"}
     return fingerprint({k: v for k, v in cfg.to_dict().items() if k not in skip})
-
-
-def compile_blocks(model, mode: str = "default", backend: str = "inductor") -> int:
-    """torch.compile every decoder block in place (regional compilation: identical blocks share one compiled
-    graph, so compile time does not grow with depth); the whole model when it names no block class.
-    FP4Linear compiles without graph breaks (its kernels are custom ops).  Returns the modules compiled."""
-    names = set(getattr(model, "_no_split_modules", None) or ())
-    blocks = [m for m in model.modules() if type(m).__name__ in names]  # HF's own list of decoder block classes
-    for m in blocks or [model]:
-        m.compile(mode=mode, backend=backend)
-    return len(blocks) or 1
 
 
 def build_model(cfg: TrainConfig, vocab_size: int):
@@ -125,7 +115,9 @@ def lr_factor(step: int, cfg: TrainConfig) -> float:
 
 def compute_loss(model, tokens: torch.Tensor) -> torch.Tensor:
     """Next-token cross-entropy of [B, L + 1] token windows.  No KV cache: building one would also make
-    each compiled decoder block specialise on its layer index (a recompilation per layer)."""
+    each compiled decoder block specialise on its layer index (a recompilation per layer).  Each call is a new
+    step for CUDA graphs (compile_mode reduce-overhead): the previous forward's graph outputs are dead by then."""
+    torch.compiler.cudagraph_mark_step_begin()
     logits = model(input_ids=tokens[:, :-1], use_cache=False).logits
     return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
                                              tokens[:, 1:].reshape(-1))
@@ -301,8 +293,10 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> di
                               step_scheduler_with_optimizer=False)
     set_seed(cfg.seed)
     model = build_model(cfg, data.vocab_size)
+    graphs = False
     if cfg.compile is True or (cfg.compile == "auto" and torch.cuda.is_available()):
-        compile_blocks(model, cfg.compile_mode, cfg.compile_backend)
+        compile_model(model, cfg.compile_mode, cfg.compile_backend)
+        graphs = cfg.compile_backend == "inductor" and resolve_mode(cfg.compile_mode) in CUDA_GRAPH_MODES
     train_windows = TokenWindows(data.shard("train"), cfg.seq_len, seed=cfg.seed)
     val_windows = TokenWindows(data.shard("val"), cfg.seq_len, shuffle=False)
 
@@ -343,6 +337,11 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> di
     bar = tqdm(total=cfg.max_steps, initial=state.step, disable=not accelerator.is_main_process, desc="train")
     record: dict[str, Any] = {}
     params = [p for p in model.parameters() if p.requires_grad]
+    if graphs and cfg.grad_accum > 1:
+        # A gradient is a CUDA-graph output that the next micro-step's replay overwrites: a parameter whose .grad
+        # is None would take that buffer as its .grad; an allocated .grad accumulates into itself instead.
+        for p in params:
+            p.grad = torch.zeros_like(p)
     base_recipes = {name: m.recipe for name, m in fp4_modules(accelerator.unwrap_model(model)).items()}
     bf16_gemms: tuple[str, ...] = ()
     while state.step < cfg.max_steps:
@@ -393,7 +392,7 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> di
         else:
             state.bad_in_row += 1
             state.skipped += 1
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=not (graphs and cfg.grad_accum > 1))
         dt = time.perf_counter() - t0
         record = {"step": state.step, "tokens": state.step * tokens_per_step,
                   "loss": loss_sum if finite else None, "lr": scheduler.get_last_lr()[0],

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch._dynamo.utils import counters
 
 import hf_fp4
 from hf_fp4 import FP4Linear, QuantSpec, preset
@@ -242,6 +243,7 @@ def linear_impls(k, n, dev, names):
         else:
             recipe, _, mode = name.removeprefix("hf_fp4:").partition(":")
             layer = FP4Linear.from_linear(base(), preset(recipe).linear, name="bench")
+            layer.cuda_graphs = mode == "graphs"  # as hf_fp4.compile_model sets it
             if mode:
                 layer = torch.compile(layer, mode="reduce-overhead" if mode == "graphs" else "default")
             yield name, layer
@@ -285,10 +287,8 @@ def build_model(name, cfg_kwargs, dev):
         model = torchao_float8(model, name.removeprefix("torchao_fp8_").removesuffix(":compiled"))
     if name.startswith("emulation"):
         model = swap_to_emulation(model)
-    if name.endswith(("compiled", "graphs")) and model is not None:
-        mode = "reduce-overhead" if name.endswith("graphs") else "default"
-        for layer in model.model.layers:  # regional compilation: one compiled decoder block, reused
-            layer.compile(mode=mode)
+    if name.endswith(("compiled", "graphs")) and model is not None:  # as the trainer compiles: block by block
+        hf_fp4.compile_model(model, "reduce-overhead" if name.endswith("graphs") else "default")
     return model, cfg
 
 
@@ -318,11 +318,13 @@ def bench_e2e(dev, label, cfg_kwargs, batch, seq, steps, results, names, save=la
         step, opt = train_step(model, dev)
         inputs = [(torch.randint(0, cfg.vocab_size, (batch, seq), device=dev),) for _ in range(3)]
         t0 = time.perf_counter()
+        counters.clear()
         ms = timed(step, inputs, warmup=3, reps=steps, graphs=name.endswith("graphs"))
         tps = batch * seq / (ms / 1e3)
         base = base or tps
         results["e2e"].append({"model": label, "impl": name, "tokens_per_s": round(tps), "step_ms": round(ms, 2),
-                               "tokens_per_step": batch * seq})
+                               "tokens_per_step": batch * seq,
+                               "cudagraph_skips": counters["inductor"]["cudagraph_skips"]})
         table.append([name, f"{tps:,.0f}", f"{tps / base:.2f}x", f"{time.perf_counter() - t0:.0f}"])
         print(table[-1], flush=True)
         save()

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+import hf_fp4
 
 from hf_fp4 import trainer
 from hf_fp4.train_config import TrainConfig, load_config
@@ -409,14 +410,47 @@ def test_compiled_training_matches_eager_losses(corpus_files, tmp_path):
         TrainConfig.from_dict(tiny_cfg(corpus_files, tmp_path / "x", compile_mode="fast"))
 
 
-def test_compile_blocks_compiles_each_decoder_block():
+def tiny_model(recipe="mxfp4"):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    model = AutoModelForCausalLM.from_config(LlamaConfig(**{k: v for k, v in TINY_MODEL.items() if k != "model_type"},
-                                                         vocab_size=64))
-    assert trainer.compile_blocks(model, backend="aot_eager") == 2
-    assert all(type(layer).__name__ == "LlamaDecoderLayer" and layer._compiled_call_impl is not None
-               for layer in model.model.layers)
+    cfg = LlamaConfig(**{k: v for k, v in TINY_MODEL.items() if k != "model_type"}, vocab_size=64)
+    return AutoModelForCausalLM.from_config(cfg, quantization_config=hf_fp4.FP4TrainConfig(recipe))
+
+
+def test_compile_model_compiles_each_decoder_block_and_picks_the_kernel_launch_for_the_mode():
+    from hf_fp4.compile import compiled_blocks
+
+    model = tiny_model()
+    assert hf_fp4.compile_model(model, backend="aot_eager") is model
+    assert [type(m).__name__ for m in compiled_blocks(model)] == ["LlamaDecoderLayer"] * 2
+    layers = hf_fp4.fp4_modules(model).values()
+    assert len(layers) == 14 and not any(m.cuda_graphs for m in layers)  # auto without a GPU: no CUDA graphs
+    graphed = tiny_model()
+    hf_fp4.compile_model(graphed, mode="reduce-overhead")  # compiles lazily: nothing runs on the CPU here
+    assert all(m.cuda_graphs for m in hf_fp4.fp4_modules(graphed).values())
+    with pytest.raises(ValueError, match="valid modes are auto, default, reduce-overhead"):
+        hf_fp4.compile_model(tiny_model(), mode="fast")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_the_gpu_training_runs_under_cuda_graphs_by_default(corpus_files, tmp_path):
+    """compile: auto on a GPU is inductor with CUDA graphs (reduce-overhead): every step is captured (no
+    cudagraph skip), eval and gradient accumulation included, and its losses follow the eager run's (inductor
+    fuses the norms differently, so not bit for bit)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    runs = {}
+    for compiled in (False, "auto"):
+        torch._dynamo.reset()
+        counters.clear()
+        out = tmp_path / f"c{compiled}"
+        trainer.train(TrainConfig.from_dict(tiny_cfg(corpus_files, out, max_steps=4, eval_every=2, grad_accum=2,
+                                                     checkpoint_every=100, recipe="nvfp4", compile=compiled)))
+        runs[compiled] = [r["loss"] for r in records(out) if "loss" in r]
+    assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
+    assert len(runs["auto"]) == 4 and runs["auto"] == pytest.approx(runs[False], rel=2e-2)
 
 
 def test_finished_run_says_where_everything_is_and_shows_a_sample(corpus_files, tmp_path, capsys):
