@@ -152,8 +152,6 @@ def operands(t: torch.Tensor, plans: tuple[OperandPlan | None, OperandPlan | Non
     if any(quantized):  # `key` (plans_key of the pair) may be precomputed: json does not trace
         traceable = TRITON_OPS and triton_ops and t.is_cuda and all(p is None or p.form in KERNEL_FORMS for p in quantized)
         op = _operands_cuda_op if traceable else _operands_op
-        if traceable and torch.compiler.is_compiling():
-            t = _one_buffer(t)
         flat = op(t, mu, seeds, *signs, key or plans_key(quantized))
         out = [Operand(*flat[5 * i:5 * i + 5]) if p is not None else None for i, p in enumerate(quantized)]
     if any(p is not None and p.form == "hp" for p in plans):
@@ -164,16 +162,6 @@ def operands(t: torch.Tensor, plans: tuple[OperandPlan | None, OperandPlan | Non
             if p is not None and p.form == "hp":
                 out[i] = Operand(raw if i == 0 else raw.t(), none, none, none, none)
     return tuple(out)
-
-
-def _one_buffer(t: torch.Tensor) -> torch.Tensor:
-    """t as one realised buffer with the strides the kernels were traced with.  Inductor hands each launch of a
-    user Triton kernel an input whose strides are fixed; when that input is a fused pointwise result it has no
-    buffer yet, and inductor makes (and recomputes) a copy of it per launch -- x of q/k/v went into six copies.
-    Forcing the stride order once gives every launch the same buffer, written by the pointwise kernel itself."""
-    from torch._inductor import inductor_prims  # noqa: F401  (registers prims.inductor_force_stride_order)
-
-    return torch.ops.prims.inductor_force_stride_order(t, t.stride())
 
 
 def _fp8_gemm_kernels(a_data: torch.Tensor, a_scale: torch.Tensor, a_side: torch.Tensor, a_eb: torch.Tensor,

@@ -68,9 +68,11 @@ def test_bf16_recipe_equals_nn_linear_exactly():
 @pytest.mark.parametrize("name", ["mxfp4", "nvfp4"])
 def test_a_batch_of_sequences_trains_as_its_flattened_tokens(name):
     """x [B, S, K] (read by the kernels through its strides) gives the y, dx and dW of x [B*S, K]."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU runs the kernels in Triton's interpreter
     _, layer = make_layer(name, seed=4)
+    layer = layer.to(dev)
     layer.backend = "triton"
-    x, dy = inputs()
+    x, dy = (t.to(dev) for t in inputs())
     flat = run(layer, x, dy)
     layer.sr_calls = 0
     layer.zero_grad()
@@ -349,6 +351,8 @@ def test_torch_compile_fullgraph_equals_eager_bit_for_bit(name, backend):
     assert eager.sr_calls == compiled.sr_calls == 2
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the opaque-op path on the CPU (Triton's interpreter); on "
+                    "CUDA the kernels are triton_ops, compared with eager in test_inductor_launching_the_kernels_*")
 @pytest.mark.parametrize("x_sr", [False, True])
 def test_compiled_layers_sharing_an_input_quantize_it_once_unless_it_is_rounded_stochastically(x_sr):
     """q/k/v (and gate/up) read the same x.  Rounded to nearest, its operands are the same for all of them, and
@@ -387,35 +391,6 @@ def test_compiled_layers_sharing_an_input_quantize_it_once_unless_it_is_rounded_
     for a, b in zip(want, got):
         assert torch.equal(a, b)
     assert len(calls) == (3 if x_sr else 1) + 3 + 3, calls
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("name", ["mxfp4", "nvfp4"])
-def test_inductor_hands_a_normalised_input_to_the_kernels_without_copying_it(name):
-    """RMSNorm -> q/k/v under inductor: the statistics and operand kernels read the norm's output buffer itself,
-    one buffer for all launches (x's operands are made once for the three layers).  A copy per launch (seen
-    on the H200: 24 stores of x in the norm kernel) costs more than the quantization it feeds."""
-    import re
-
-    import torch._dynamo
-    from torch._inductor.utils import run_and_get_code
-
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    recipe = preset(name).linear
-    layers = [FP4Linear.from_linear(nn.Linear(256, 256, bias=False), recipe, name=f"p{i}").cuda() for i in range(3)]
-    gain = torch.randn(256, device="cuda")
-
-    def block(h):
-        x = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * gain
-        return sum(f(x).float().sum() for f in layers)
-
-    h = torch.randn(2, 128, 256, device="cuda", requires_grad=True)
-    loss, codes = run_and_get_code(torch.compile(block), h)
-    reads = re.findall(r"_(?:stats|operand)_kernel_\d+\.run\((?:reinterpret_tensor\()?(\w+)", codes[0])
-    weights = {n for n in reads if n.startswith("primals")}
-    assert len(set(reads) - weights) == 1, reads
 
 
 @pytest.mark.gpu
