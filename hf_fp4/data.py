@@ -142,16 +142,32 @@ def builtin_corpus(root: Path | None = None) -> Path:
 
 # ----------------------------------------------------------------------------------------------
 # Document sources
+BUILTIN_DATASETS = ("builtin", "builtin-large")
+#: the tokenizer of builtin-large is trained on a deterministic sample of its training documents (BPE merges
+#: settle long before hundreds of MB; training on all of it takes minutes and GBs)
+TOKENIZER_SAMPLE_CHARS = 100_000_000
+
+
+def _small_corpus() -> Iterator[tuple[str, str]]:
+    with open(builtin_corpus()) as f:
+        for line in f:
+            doc = json.loads(line)
+            yield doc["id"], doc["text"]
+
+
 def iter_documents(dataset: "str | dict[str, Any]") -> Iterator[tuple[str, str]]:
-    """(doc_id, text) pairs from "builtin", local files or a hub dataset (see module docstring)."""
+    """(doc_id, text) pairs from "builtin", "builtin-large" (hf_fp4.corpus), local files or a hub dataset."""
     if dataset == "builtin":
-        with open(builtin_corpus()) as f:
-            for line in f:
-                doc = json.loads(line)
-                yield doc["id"], doc["text"]
+        yield from _small_corpus()
+        return
+    if dataset == "builtin-large":
+        from .corpus import iter_large_corpus
+
+        yield from iter_large_corpus(cache_dir() / "archives", _small_corpus())
         return
     if not isinstance(dataset, dict):
-        raise ValueError(f"dataset must be 'builtin' or a mapping, got {dataset!r}")
+        raise ValueError(f"dataset must be one of {', '.join(BUILTIN_DATASETS)} or a mapping "
+                         f"({{files: [...]}} or {{hub: name}}), got {dataset!r}")
     import datasets
 
     field = dataset.get("text_field", "text")
@@ -256,12 +272,23 @@ class PreparedData:
         return np.memmap(self.root / f"{split}.bin", dtype=meta["dtype"], mode="r")
 
 
+def tokenizer_sample(docs: list[tuple[str, str]], chars: int = TOKENIZER_SAMPLE_CHARS) -> list[str]:
+    """The texts a built-in tokenizer is trained on: all of them, or for a corpus larger than `chars` a
+    deterministic sample of whole documents (by a hash of the id) of about that size, every source in it."""
+    total = sum(len(t) for _, t in docs)
+    if total <= chars:
+        return [t for _, t in docs]
+    keep = chars / total
+    return [t for d, t in docs if int.from_bytes(hashlib.sha1(b"tok" + d.encode()).digest()[:4], "little")
+            < keep * 2 ** 32]
+
+
 def _write_shard(path: Path, docs: list[tuple[str, str]], tokenizer, dtype) -> int:
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     n = 0
     with open(tmp, "wb") as f:
-        for i in range(0, len(docs), 64):
-            batch = [text for _, text in docs[i:i + 64]]
+        for i in range(0, len(docs), 512):  # a fast tokenizer encodes a batch in parallel
+            batch = [text for _, text in docs[i:i + 512]]
             for ids in tokenizer(batch, add_special_tokens=False)["input_ids"]:
                 arr = np.asarray(ids + [tokenizer.eos_token_id], dtype=dtype)
                 f.write(arr.tobytes())
@@ -274,7 +301,13 @@ def prepare_data(dataset: "str | dict" = "builtin", tokenizer: str = "builtin", 
                  val_fraction: float = 0.02, root: Path | None = None) -> PreparedData:
     """Tokenise a dataset once into memory-mapped train/val shards (cached by content)."""
     root = root or cache_dir()
-    key = fingerprint(dataset, tokenizer, vocab_size if tokenizer == "builtin" else None, val_fraction)
+    machine = None
+    if dataset == "builtin-large":  # its code part is this machine's: the file list is part of the key
+        from .corpus import code_fingerprint
+
+        machine = code_fingerprint()
+    key = fingerprint(dataset, tokenizer, vocab_size if tokenizer == "builtin" else None, val_fraction,
+                      *([machine] if machine else []))
     out = root / "tokens" / key
     meta_path = out / "meta.json"
     if meta_path.exists():
@@ -286,7 +319,7 @@ def prepare_data(dataset: "str | dict" = "builtin", tokenizer: str = "builtin", 
     if tokenizer == "builtin":
         tok_dir = out / "tokenizer"
         tok = load_tokenizer(str(tok_dir)) if tok_dir.exists() else train_bpe_tokenizer(
-            [t for _, t in train], vocab_size, tok_dir)
+            tokenizer_sample(train), vocab_size, tok_dir)
     else:
         tok = load_tokenizer(tokenizer)
     dtype = "uint16" if len(tok) <= 65536 else "uint32"
@@ -295,6 +328,10 @@ def prepare_data(dataset: "str | dict" = "builtin", tokenizer: str = "builtin", 
     meta = {"dataset": dataset, "tokenizer": tokenizer, "vocab_size": len(tok), "dtype": dtype,
             "train_tokens": n_train, "val_tokens": n_val, "train_documents": len(train),
             "val_documents": len(val), "val_ids": [d for d, _ in val][:1000]}
+    if dataset == "builtin-large":
+        from .corpus import manifest
+
+        meta["sources"] = manifest(cache_dir() / "archives")
     atomic_write_text(meta_path, json.dumps(meta, indent=2))
     return PreparedData(out, tok, n_train, n_val)
 

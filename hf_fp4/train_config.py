@@ -13,6 +13,7 @@ import yaml
 
 from .recipe import GEMMS, PRESET_NAMES, preset
 from .compile import BACKENDS as COMPILE_BACKENDS, MODES
+from .data import BUILTIN_DATASETS
 
 
 @dataclass
@@ -25,7 +26,7 @@ class TrainConfig:
     # late high precision: [{at: 0.85, bf16: [fprop]}] runs the named GEMMs in BF16 from that fraction of max_steps on
     precision_schedule: list[dict[str, Any]] = field(default_factory=list)
     # data
-    dataset: Any = "builtin"                      # "builtin" | {"files": [...]} | {"hub": name, ...}
+    dataset: Any = "builtin"                      # "builtin" | "builtin-large" | {"files": [...]} | {"hub": name}
     tokenizer: str = "builtin"                    # "builtin" (BPE trained on the corpus) or an HF tokenizer
     vocab_size: int = 8192                        # of the built-in tokenizer
     val_fraction: float = 0.02                    # documents held out for validation
@@ -83,6 +84,9 @@ class TrainConfig:
         self._validate_model()
         preset(self.recipe, seed=self.seed, **self.recipe_options)  # unknown or ill-typed options fail here
         self._validate_precision_schedule()
+        if not isinstance(self.dataset, dict) and self.dataset not in BUILTIN_DATASETS:
+            raise ValueError(f"dataset={self.dataset!r}: valid values are {', '.join(BUILTIN_DATASETS)} or a "
+                             "mapping ({files: [...]} or {hub: name})")
         if isinstance(self.dataset, dict) and "files" in self.dataset:
             missing = [str(f) for f in self.dataset["files"] if not Path(f).exists()]
             if missing:
