@@ -3,8 +3,8 @@
 Two parts, every file de-duplicated by content (sha1 of the normalised text), sources and licences recorded:
 
 * **Prose** -- the small built-in corpus (books, speeches: hf_fp4.data) plus Debian packages of English text
-  fetched with the system's own client (`apt-get download`, so mirror settings apply): the 1913 Webster
-  dictionary (GCIDE), Perl's documentation and Python's documentation.  Their `.deb` archives are cached in
+  fetched with the system's own client (`apt-get download`, so mirror settings apply): four dictionaries
+  (GCIDE from Webster's 1913, WordNet, FOLDOC, the Jargon File), Perl's and Python's documentation.  Their `.deb` archives are cached in
   ``$HF_FP4_CACHE/archives``; a machine without a registry uses that folder carried from one with it.
 * **Code** -- the source and documentation files of the Python environment that builds the corpus
   (site-packages) and the system's C/C++ headers (``/usr/include``): a few hundred MB of real code that needs
@@ -45,8 +45,12 @@ class DebSource:
 
 DEB_SOURCES = (
     DebSource("dict-gcide", r"usr/share/dictd/gcide\.dict\.dz$",
-              "GPL-3+ (GCIDE: GNU Collaborative International Dictionary of English, from Webster's 1913)", "dict"),
-    DebSource("perl-doc", r"usr/share/perl/[^/]+/pod/[^/]+\.pod$", "Artistic-1 or GPL-1+ (Perl documentation)",
+              "GPL-2+ (GCIDE: GNU Collaborative International Dictionary of English, from Webster's 1913)", "dict"),
+    DebSource("dict-wn", r"usr/share/dictd/wn\.dict\.dz$", "WordNet 3.0 licence (Princeton University)", "dict"),
+    DebSource("dict-foldoc", r"usr/share/dictd/foldoc\.dict\.dz$",
+              "GFDL-1.1+ (Free On-line Dictionary of Computing)", "dict"),
+    DebSource("dict-jargon", r"usr/share/dictd/jargon\.dict\.dz$", "Public domain (the Jargon File)", "dict"),
+    DebSource("perl-doc", r"usr/share/perl/[^/]+/pod/[^/]+\.pod$", "GPL-1+ or Artistic (Perl documentation)",
               "text"),
     DebSource("python3.11-doc", r"usr/share/doc/python3\.11/html/.+\.html$", "PSF-2.0 (Python documentation)",
               "html"),
