@@ -9,11 +9,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 
 from .recipe import GEMMS, PRESET_NAMES, preset
 from .compile import BACKENDS as COMPILE_BACKENDS, MODES
 from .data import BUILTIN_DATASETS
+
+#: optimizer name -> the optimizer_options it takes (lr, betas, eps, weight decay come from the config)
+OPTIMIZERS = {"adamw": (), "fp4_adamw": ("state_spec", "v_transform", "min_numel")}
 
 
 @dataclass
@@ -44,6 +48,8 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0
+    optimizer: str = "adamw"                      # adamw (FP32 state) | fp4_adamw (hf_fp4.optim.FP4AdamW)
+    optimizer_options: dict[str, Any] = field(default_factory=dict)  # fp4_adamw: state_spec, v_transform, min_numel
     seed: int = 0
     mixed_precision: str = "auto"                 # auto (bf16 on GPU, no on CPU) | bf16 | no
     compile: Any = "auto"                         # torch.compile each decoder block: auto (on GPU) | true | false
@@ -84,6 +90,7 @@ class TrainConfig:
         self._validate_model()
         preset(self.recipe, seed=self.seed, **self.recipe_options)  # unknown or ill-typed options fail here
         self._validate_precision_schedule()
+        self._validate_optimizer()
         if not isinstance(self.dataset, dict) and self.dataset not in BUILTIN_DATASETS:
             raise ValueError(f"dataset={self.dataset!r}: valid values are {', '.join(BUILTIN_DATASETS)} or a "
                              "mapping ({files: [...]} or {hub: name})")
@@ -91,6 +98,19 @@ class TrainConfig:
             missing = [str(f) for f in self.dataset["files"] if not Path(f).exists()]
             if missing:
                 raise FileNotFoundError(f"dataset.files: not found: {missing}")
+
+    def _validate_optimizer(self) -> None:
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer={self.optimizer!r}: valid values are {', '.join(OPTIMIZERS)}")
+        valid = OPTIMIZERS[self.optimizer]
+        unknown = sorted(set(self.optimizer_options) - set(valid))
+        if unknown:
+            raise ValueError(f"optimizer_options {unknown} for optimizer={self.optimizer}; valid: "
+                             f"{', '.join(valid) or 'none'}")
+        if self.optimizer == "fp4_adamw":  # bad values (an unknown spec, a transform) fail here, not at step 1
+            from .optim import FP4AdamW
+
+            FP4AdamW([torch.zeros(1, requires_grad=True)], **self.optimizer_options)
 
     def _validate_precision_schedule(self) -> None:
         last = 0.0

@@ -31,6 +31,7 @@ from .data import TokenWindows, atomic_write_text, fingerprint, prepare_data
 from .diagnostics import locate_non_finite
 from .extras import optional
 from .integration import FP4TrainConfig
+from .optim import FP4AdamW
 from .quantize import NonFiniteError
 from .train_config import TrainConfig
 
@@ -302,10 +303,12 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> di
 
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "lora_svd" not in n]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2 or "lora_svd" in n]
-    fused = {"fused": True} if torch.cuda.is_available() else {}
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}],
-                                  lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), **fused)
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if cfg.optimizer == "fp4_adamw":
+        optimizer = FP4AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), **cfg.optimizer_options)
+    else:
+        fused = {"fused": True} if torch.cuda.is_available() else {}
+        optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), **fused)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg))
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     state = RunState(accelerator.unwrap_model(model))

@@ -546,3 +546,24 @@ def test_run_gemms_in_bf16_gives_the_unquantized_product():
     assert torch.equal(model(x), nn.functional.linear(x, model[0].weight, model[0].bias))
     run_gemms_in_bf16(model, (), base)
     assert torch.equal(model(x), quantized)
+
+
+def test_fp4_adamw_keeps_nvfp4_moments_in_checkpoints_and_resumes_exactly(corpus_files, tmp_path):
+    """optimizer: fp4_adamw -- the checkpointed optimizer state holds packed codes (uint8) and E4M3 scales for
+    the large matrices, and a run stopped at step 3 and resumed logs the uninterrupted run's losses."""
+    kw = dict(max_steps=6, eval_every=100, checkpoint_every=3, schedule="constant", optimizer="fp4_adamw",
+              optimizer_options={"min_numel": 1024})
+    trainer.train(TrainConfig.from_dict(tiny_cfg(corpus_files, tmp_path / "whole", **kw)))
+    trainer.train(TrainConfig.from_dict(tiny_cfg(corpus_files, tmp_path / "split", **{**kw, "max_steps": 3})))
+    trainer.train(TrainConfig.from_dict(tiny_cfg(corpus_files, tmp_path / "split", **kw)), resume=True)
+    whole = [r["loss"] for r in records(tmp_path / "whole") if "loss" in r]
+    assert len(whole) == 6 and whole == [r["loss"] for r in records(tmp_path / "split") if "loss" in r]
+    state = torch.load(tmp_path / "whole" / "checkpoints" / "step_6" / "optimizer.bin", weights_only=True)["state"]
+    stored = [s for s in state.values() if "m_codes" in s]
+    assert stored and all(s["m_codes"].dtype == s["v_scales"].dtype == torch.uint8 for s in stored)
+    assert any("m" in s and s["m"].dtype == torch.float32 for s in state.values())  # norms keep FP32 moments
+    with pytest.raises(ValueError, match=r"optimizer_options \['rank'\] for optimizer=fp4_adamw; valid: state_spec"):
+        TrainConfig.from_dict(tiny_cfg(corpus_files, tmp_path / "x", optimizer="fp4_adamw",
+                                       optimizer_options={"rank": 4}))
+    with pytest.raises(ValueError, match="optimizer='lion': valid values are adamw, fp4_adamw"):
+        TrainConfig.from_dict(tiny_cfg(corpus_files, tmp_path / "x", optimizer="lion"))

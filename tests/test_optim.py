@@ -1,0 +1,114 @@
+"""FP4AdamW: AdamW whose moments are stored in NVFP4 (Full-Stack FP4's optimizer state)."""
+import io
+
+import pytest
+import torch
+
+from hf_fp4 import fake_quantize, quantize
+from hf_fp4.optim import FP4AdamW, state_bytes
+from hf_fp4.qtensor import expand_blocks
+
+LR, B1, B2, EPS, WD = 1e-2, 0.9, 0.95, 1e-8, 0.1
+
+
+def params(seed=0, shape=(64, 96)):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g).requires_grad_()
+
+
+def grads(step, shape=(64, 96)):
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(shape, generator=g) * torch.logspace(-4, 0, shape[-1])  # columns spanning 4 decades
+
+
+def run(opt, p, steps, start=0):
+    for s in range(start, start + steps):
+        p.grad = grads(s, p.shape)
+        opt.step()
+    return p.detach().clone()
+
+
+def test_small_parameters_keep_fp32_moments_and_follow_torch_adamw():
+    a, b = params(), params()
+    want = torch.optim.AdamW([a], lr=LR, betas=(B1, B2), eps=EPS, weight_decay=WD)
+    got = FP4AdamW([b], lr=LR, betas=(B1, B2), eps=EPS, weight_decay=WD, min_numel=10 ** 9)
+    torch.testing.assert_close(run(got, b, 5), run(want, a, 5), rtol=1e-6, atol=1e-7)
+
+
+def stored(x):  # what NVFP4 storage keeps of x, and the decode floor of its zero codes
+    q = quantize(x, "nvfp4")
+    floor = (expand_blocks(q.block_decode(), (1, 16)) * q.tensor_scale)[:x.shape[0], :x.shape[1]] * 0.5 / 2
+    return fake_quantize(x, "nvfp4"), floor
+
+
+@pytest.mark.parametrize("transform", ["sqrt", "none"])
+def test_two_steps_equal_adamw_on_moments_stored_in_nvfp4(transform):
+    """Step 1 from zero moments, store Q(m) and Q(sqrt v) (or Q(v)); step 2 reads them back (zero codes of v as
+    the middle of the below-grid range) -- the parameters equal AdamW computed by hand on those values."""
+    p = params()
+    opt = FP4AdamW([p], lr=LR, betas=(B1, B2), eps=EPS, weight_decay=WD, v_transform=transform, min_numel=1)
+    w = p.detach().clone()
+    m = torch.zeros_like(w)
+    v = torch.zeros_like(w)
+    for t in (1, 2):
+        g = grads(t - 1)
+        m, v = B1 * m + (1 - B1) * g, B2 * v + (1 - B2) * g * g
+        w = w * (1 - LR * WD) - LR * (m / (1 - B1 ** t)) / ((v / (1 - B2 ** t)).sqrt() + EPS)
+        m = fake_quantize(m, "nvfp4")
+        sv, floor = stored(v.sqrt() if transform == "sqrt" else v)
+        sv = torch.where(sv == 0, floor, sv)
+        v = sv.square() if transform == "sqrt" else sv
+    got = run(opt, p, 2)
+    torch.testing.assert_close(got, w, rtol=2e-6, atol=1e-7)
+    gm, gv = opt.moments(p)
+    assert torch.equal(gm, m) and torch.allclose(gv, v, rtol=1e-6, atol=0)
+
+
+def test_state_dict_round_trip_resumes_bit_for_bit():
+    p, q = params(), params()
+    whole = FP4AdamW([p], lr=LR, min_numel=1)
+    want = run(whole, p, 6)
+    first = FP4AdamW([q], lr=LR, min_numel=1)
+    run(first, q, 3)
+    buf = io.BytesIO()
+    torch.save(first.state_dict(), buf)
+    buf.seek(0)
+    resumed = FP4AdamW([q], lr=LR, min_numel=1)
+    resumed.load_state_dict(torch.load(buf))
+    assert torch.equal(run(resumed, q, 3, start=3), want)
+
+
+def test_the_state_takes_about_an_eighth_of_fp32_adamw():
+    p = params(shape=(256, 256))
+    fp4 = FP4AdamW([p], lr=LR)
+    run(fp4, p, 1, 0)
+    ref = torch.optim.AdamW([p], lr=LR)
+    p.grad = torch.ones_like(p)
+    ref.step()
+    per_param = state_bytes(fp4) / p.numel()
+    assert 1.12 <= per_param <= 1.13, per_param  # 2 x (0.5 B codes + 1/16 B E4M3 scales)
+    assert state_bytes(ref) / p.numel() >= 8
+
+
+def test_the_sqrt_transform_keeps_more_of_a_heavy_tailed_second_moment():
+    g = grads(0, (256, 256))
+    v = g * g
+    err = {}
+    for transform in ("sqrt", "none"):
+        p = torch.zeros(256, 256, requires_grad=True)
+        opt = FP4AdamW([p], lr=0.0, betas=(0.0, 0.0), v_transform=transform, min_numel=1)
+        p.grad = g
+        opt.step()
+        got = opt.moments(p)[1]
+        err[transform] = ((got.sqrt() - v.sqrt()).abs() / v.sqrt().clamp_min(1e-30)).median().item()
+    assert err["sqrt"] < err["none"], err
+
+
+def test_bad_options_and_non_finite_gradients_are_refused():
+    with pytest.raises(ValueError, match="v_transform='log': valid values are sqrt, none"):
+        FP4AdamW([params()], v_transform="log")
+    p = params()
+    opt = FP4AdamW([p], min_numel=1)
+    p.grad = torch.full_like(p, float("nan"))
+    with pytest.raises(FloatingPointError, match="non-finite gradient"):
+        opt.step()
