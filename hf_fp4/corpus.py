@@ -125,14 +125,17 @@ def html_text(page: str) -> str:
     return re.sub(r"\n{3,}", "\n\n", text).replace("\u00b6", "").strip()
 
 
+_HEADWORD = re.compile(r"\n(?=\S)")  # a dictd entry starts with its headword at the start of a line
+
+
 def dictionary_documents(text: str, doc_id: str) -> Iterator[tuple[str, str]]:
-    """Split a dictd text into documents of whole entries (entries are separated by blank lines)."""
+    """Split a dictd text into documents of about DICT_CHUNK_CHARS, each a run of whole entries."""
     start, n = 0, 0
     while start < len(text):
-        end = text.find("\n\n", start + DICT_CHUNK_CHARS)
-        end = len(text) if end < 0 else end
+        found = _HEADWORD.search(text, start + DICT_CHUNK_CHARS)
+        end = found.start() if found else len(text)
         yield f"{doc_id}#{n}", text[start:end].strip()
-        start, n = end + 2, n + 1
+        start, n = end + 1, n + 1
 
 
 def deb_documents(source: DebSource, archives: Path) -> Iterator[tuple[str, str]]:
