@@ -17,7 +17,8 @@ from .compile import BACKENDS as COMPILE_BACKENDS, MODES
 from .data import BUILTIN_DATASETS
 
 #: optimizer name -> the optimizer_options it takes (lr, betas, eps, weight decay come from the config)
-OPTIMIZERS = {"adamw": (), "fp4_adamw": ("state_spec", "v_transform", "min_numel")}
+OPTIMIZERS = {"adamw": (), "fp4_adamw": ("state_spec", "v_transform", "min_numel"),
+              "muon": ("muon_lr", "momentum", "ns_steps", "ns_spec", "ns_iteration")}
 
 
 @dataclass
@@ -48,8 +49,8 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0
-    optimizer: str = "adamw"                      # adamw (FP32 state) | fp4_adamw (hf_fp4.optim.FP4AdamW)
-    optimizer_options: dict[str, Any] = field(default_factory=dict)  # fp4_adamw: state_spec, v_transform, min_numel
+    optimizer: str = "adamw"                      # adamw (FP32 state) | fp4_adamw | muon (hf_fp4.optim)
+    optimizer_options: dict[str, Any] = field(default_factory=dict)  # see OPTIMIZERS
     seed: int = 0
     mixed_precision: str = "auto"                 # auto (bf16 on GPU, no on CPU) | bf16 | no
     compile: Any = "auto"                         # torch.compile each decoder block: auto (on GPU) | true | false
@@ -111,6 +112,12 @@ class TrainConfig:
             from .optim import FP4AdamW
 
             FP4AdamW([torch.zeros(1, requires_grad=True)], **self.optimizer_options)
+        if self.optimizer == "muon":
+            from .optim import Muon
+
+            opts = dict(self.optimizer_options)
+            Muon([{"params": [torch.zeros(1, 1, requires_grad=True)], "muon": True}], lr=opts.pop("muon_lr", 0.02),
+                 **opts)
 
     def _validate_precision_schedule(self) -> None:
         last = 0.0

@@ -31,7 +31,7 @@ from .data import TokenWindows, atomic_write_text, fingerprint, prepare_data
 from .diagnostics import locate_non_finite
 from .extras import optional
 from .integration import FP4TrainConfig
-from .optim import FP4AdamW
+from .optim import FP4AdamW, Muon
 from .quantize import NonFiniteError
 from .train_config import TrainConfig
 
@@ -304,7 +304,17 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> di
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "lora_svd" not in n]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2 or "lora_svd" in n]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    if cfg.optimizer == "fp4_adamw":
+    if cfg.optimizer == "muon":  # hidden matrices by Muon, embeddings / LM head / norms by its AdamW part
+        opts = dict(cfg.optimizer_options)
+        muon_lr = opts.pop("muon_lr", 0.02)
+        hidden = [p for n, p in model.named_parameters() if p.dim() == 2 and "embed" not in n and "lm_head" not in n
+                  and "lora_svd" not in n]
+        ids = {id(p) for p in hidden}
+        groups = [{"params": hidden, "muon": True, "lr": muon_lr, "weight_decay": cfg.weight_decay},
+                  {"params": [p for p in decay if id(p) not in ids], "weight_decay": cfg.weight_decay},
+                  {"params": no_decay, "weight_decay": 0.0}]
+        optimizer = Muon([g for g in groups if g["params"]], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), **opts)
+    elif cfg.optimizer == "fp4_adamw":
         optimizer = FP4AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), **cfg.optimizer_options)
     else:
         fused = {"fused": True} if torch.cuda.is_available() else {}

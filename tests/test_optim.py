@@ -112,3 +112,49 @@ def test_bad_options_and_non_finite_gradients_are_refused():
     p.grad = torch.full_like(p, float("nan"))
     with pytest.raises(FloatingPointError, match="non-finite gradient"):
         opt.step()
+
+
+# ----------------------------------------------------------------------------------------------
+# Muon
+from hf_fp4.optim import Muon, newton_schulz, orthogonality_error  # noqa: E402
+
+
+def spread(shape, seed=0):  # a gradient-like matrix whose singular values span two decades
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g) * torch.logspace(-2, 0, shape[1])
+
+
+@pytest.mark.parametrize("shape", [(128, 128), (128, 384), (384, 128)])
+def test_newton_schulz_in_bf16_pushes_every_singular_value_near_one(shape):
+    """Five quintic steps map every singular value of g down to 1/100 of the largest into [0.6, 1.25] along g's
+    own singular vectors (smaller ones stay below: Muon's known trade-off)."""
+    g = spread(shape)
+    u, sg, vh = torch.linalg.svd(g.double(), full_matrices=False)
+    s = torch.diagonal(u.t() @ newton_schulz(g).double() @ vh.t())[sg > sg[0] / 100]
+    assert len(s) > 10 and s.min() > 0.6 and s.max() < 1.25, (len(s), s.min(), s.max())
+
+
+def test_with_nvfp4_operands_the_cubic_iteration_converges_and_the_quintic_diverges():
+    """The measured reason Muon refuses ns_spec with the quintic iteration."""
+    g = spread((128, 384))
+    cubic_bf16 = orthogonality_error(newton_schulz(g, 12, None, "cubic"), g)
+    cubic_fp4 = orthogonality_error(newton_schulz(g, 12, "nvfp4", "cubic"), g)
+    quintic_fp4 = orthogonality_error(newton_schulz(g, 5, "nvfp4", "quintic"), g)
+    assert cubic_bf16 < 0.05 and cubic_fp4 < 0.2 and quintic_fp4 > 1.0, (cubic_bf16, cubic_fp4, quintic_fp4)
+    with pytest.raises(ValueError, match="quintic iteration diverges with 4-bit operands"):
+        Muon([{"params": [params()], "muon": True}], ns_spec="nvfp4")
+
+
+def test_muon_steps_matrices_by_an_orthogonalised_update_and_the_rest_by_adamw():
+    w, norm, ref = params(shape=(64, 192)), params(shape=(192,)), params(shape=(192,))
+    opt = Muon([{"params": [w], "muon": True, "lr": 0.02}, {"params": [norm], "lr": LR}], betas=(B1, B2), eps=EPS)
+    adamw = torch.optim.AdamW([ref], lr=LR, betas=(B1, B2), eps=EPS, weight_decay=0.0)
+    before = w.detach().clone()
+    w.grad, norm.grad, ref.grad = spread((64, 192)), grads(0, (192,)), grads(0, (192,))
+    opt.step()
+    adamw.step()
+    s = torch.linalg.svdvals((before - w.detach()) / 0.02)  # lr * sqrt(max(1, 64 / 192)) = lr
+    assert s.min() > 0.6 and s.max() < 1.25, (s.min(), s.max())
+    torch.testing.assert_close(norm, ref, rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="Muon groups take 2-D weight matrices only"):
+        Muon([{"params": [params(shape=(8,))], "muon": True}])
