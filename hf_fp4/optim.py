@@ -89,44 +89,53 @@ class FP4AdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
+        loss = _run_closure(closure)
+        for group, p in _with_grads(self):
             b1, b2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                g = p.grad.float()
-                if not torch.isfinite(g).all():
-                    raise FloatingPointError("FP4AdamW: non-finite gradient (the state would be lost on "
-                                             "re-quantization); skip the step instead")
-                state = self.state[p]
-                if not state:
-                    state["step"] = torch.zeros((), dtype=torch.float32)
-                    zeros = torch.zeros_like(p, dtype=torch.float32)
-                    if self.quantized(p):
-                        self._store(state, "m", zeros)
-                        self._store(state, "v", zeros)
-                    else:
-                        state["m"], state["v"] = zeros, zeros.clone()
-                m, v = self.moments(p)
-                m = m.mul(b1).add_(g, alpha=1 - b1)
-                v = v.mul(b2).addcmul_(g, g, value=1 - b2)
-                state["step"] += 1
-                t = float(state["step"])
-                denom = (v / (1 - b2 ** t)).sqrt_().add_(group["eps"])
-                update = (m / (1 - b1 ** t)) / denom
-                master = p.float()
-                master.mul_(1 - group["lr"] * group["weight_decay"]).add_(update, alpha=-group["lr"])
-                p.copy_(master)
+            g = p.grad.float()
+            if not torch.isfinite(g).all():
+                raise FloatingPointError("FP4AdamW: non-finite gradient (the state would be lost on "
+                                         "re-quantization); skip the step instead")
+            state = self.state[p]
+            if not state:
+                state["step"] = torch.zeros((), dtype=torch.float32)
+                zeros = torch.zeros_like(p, dtype=torch.float32)
                 if self.quantized(p):
-                    self._store(state, "m", m)
-                    self._store(state, "v", v.sqrt() if self.v_transform == "sqrt" else v)
+                    self._store(state, "m", zeros)
+                    self._store(state, "v", zeros)
                 else:
-                    state["m"], state["v"] = m, v
+                    state["m"], state["v"] = zeros, zeros.clone()
+            m, v = self.moments(p)
+            m = m.mul(b1).add_(g, alpha=1 - b1)
+            v = v.mul(b2).addcmul_(g, g, value=1 - b2)
+            state["step"] += 1
+            t = float(state["step"])
+            denom = (v / (1 - b2 ** t)).sqrt_().add_(group["eps"])
+            update = (m / (1 - b1 ** t)) / denom
+            master = p.float()
+            master.mul_(1 - group["lr"] * group["weight_decay"]).add_(update, alpha=-group["lr"])
+            p.copy_(master)
+            if self.quantized(p):
+                self._store(state, "m", m)
+                self._store(state, "v", v.sqrt() if self.v_transform == "sqrt" else v)
+            else:
+                state["m"], state["v"] = m, v
         return loss
+
+
+def _run_closure(closure):
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
+def _with_grads(optimizer: torch.optim.Optimizer):
+    """(group, parameter) for every parameter that has a gradient."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is not None:
+                yield group, p
 
 
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:
@@ -217,35 +226,29 @@ class Muon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                g, state = p.grad.float(), self.state[p]
-                if group["muon"]:
-                    buf = state.setdefault("momentum_buffer", torch.zeros_like(g))
-                    buf.mul_(group["momentum"]).add_(g)
-                    u = newton_schulz(g.add(buf, alpha=group["momentum"]), group["ns_steps"], self.ns_spec,
-                                      self.ns_iteration)
-                    scale = max(1.0, p.shape[0] / p.shape[1]) ** 0.5
-                    master = p.float().mul_(1 - group["lr"] * group["weight_decay"])
-                    p.copy_(master.add_(u, alpha=-group["lr"] * scale))
-                    continue
-                b1, b2 = group["betas"]
-                if not state:
-                    state["step"] = torch.zeros((), dtype=torch.float32)
-                    state["m"], state["v"] = torch.zeros_like(g), torch.zeros_like(g)
-                state["step"] += 1
-                t = float(state["step"])
-                state["m"].mul_(b1).add_(g, alpha=1 - b1)
-                state["v"].mul_(b2).addcmul_(g, g, value=1 - b2)
-                denom = (state["v"] / (1 - b2 ** t)).sqrt_().add_(group["eps"])
+        loss = _run_closure(closure)
+        for group, p in _with_grads(self):
+            g, state = p.grad.float(), self.state[p]
+            if group["muon"]:
+                buf = state.setdefault("momentum_buffer", torch.zeros_like(g))
+                buf.mul_(group["momentum"]).add_(g)
+                u = newton_schulz(g.add(buf, alpha=group["momentum"]), group["ns_steps"], self.ns_spec,
+                                  self.ns_iteration)
+                scale = max(1.0, p.shape[0] / p.shape[1]) ** 0.5
                 master = p.float().mul_(1 - group["lr"] * group["weight_decay"])
-                p.copy_(master.addcdiv_(state["m"], denom, value=-group["lr"] / (1 - b1 ** t)))
+                p.copy_(master.add_(u, alpha=-group["lr"] * scale))
+                continue
+            b1, b2 = group["betas"]
+            if not state:
+                state["step"] = torch.zeros((), dtype=torch.float32)
+                state["m"], state["v"] = torch.zeros_like(g), torch.zeros_like(g)
+            state["step"] += 1
+            t = float(state["step"])
+            state["m"].mul_(b1).add_(g, alpha=1 - b1)
+            state["v"].mul_(b2).addcmul_(g, g, value=1 - b2)
+            denom = (state["v"] / (1 - b2 ** t)).sqrt_().add_(group["eps"])
+            master = p.float().mul_(1 - group["lr"] * group["weight_decay"])
+            p.copy_(master.addcdiv_(state["m"], denom, value=-group["lr"] / (1 - b1 ** t)))
         return loss
 
 
