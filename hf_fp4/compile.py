@@ -33,6 +33,11 @@ def resolve_mode(mode: str, backend: str = "inductor") -> str:
     return mode
 
 
+def uses_cuda_graphs(mode: str, backend: str = "inductor") -> bool:
+    """Whether compile_model(model, mode, backend) runs the blocks under CUDA graphs."""
+    return backend == "inductor" and resolve_mode(mode, backend) in CUDA_GRAPH_MODES
+
+
 def compile_model(model: nn.Module, mode: str = "auto", backend: str = "inductor") -> nn.Module:
     """torch.compile every decoder block of `model` in place and return the model.
 
@@ -41,8 +46,8 @@ def compile_model(model: nn.Module, mode: str = "auto", backend: str = "inductor
     compiled whole.  Under a CUDA-graph mode call `torch.compiler.cudagraph_mark_step_begin()` before each
     training or evaluation forward (the trainer does).
     """
+    graphs = uses_cuda_graphs(mode, backend)
     mode = resolve_mode(mode, backend)
-    graphs = backend == "inductor" and mode in CUDA_GRAPH_MODES
     for layer in fp4_modules(model).values():
         layer.cuda_graphs = graphs
     names = set(getattr(model, "_no_split_modules", None) or ())

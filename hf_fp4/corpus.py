@@ -4,8 +4,9 @@ Two parts, every file de-duplicated by content (sha1 of the normalised text), so
 
 * **Prose** -- the small built-in corpus (books, speeches: hf_fp4.data) plus Debian packages of English text
   fetched with the system's own client (`apt-get download`, so mirror settings apply): four dictionaries
-  (GCIDE from Webster's 1913, WordNet, FOLDOC, the Jargon File), Perl's and Python's documentation.  Their `.deb` archives are cached in
-  ``$HF_FP4_CACHE/archives``; a machine without a registry uses that folder carried from one with it.
+  (GCIDE from Webster's 1913, WordNet, FOLDOC, the Jargon File), Perl's and Python's documentation.  Their
+  `.deb` archives are cached in ``$HF_FP4_CACHE/archives``; a machine without a registry uses that folder
+  carried from one with it.
 * **Code** -- the source and documentation files of the Python environment that builds the corpus
   (site-packages) and the system's C/C++ headers (``/usr/include``): a few hundred MB of real code that needs
   no transfer.  It depends on the machine, so `manifest()` records the distributions and versions, the file

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import yaml
 
-from .compile import CUDA_GRAPH_MODES, compile_model, resolve_mode
+from .compile import compile_model, uses_cuda_graphs
 from .convert import fp4_modules, load_rng_state_dict, maybe_refresh_lora_svd, rng_state_dict, run_gemms_in_bf16
 from .data import TokenWindows, atomic_write_text, fingerprint, prepare_data
 from .diagnostics import locate_non_finite
@@ -294,10 +294,12 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> di
                               step_scheduler_with_optimizer=False)
     set_seed(cfg.seed)
     model = build_model(cfg, data.vocab_size)
-    graphs = False
-    if cfg.compile is True or (cfg.compile == "auto" and torch.cuda.is_available()):
+    compiled = cfg.compile is True or (cfg.compile == "auto" and torch.cuda.is_available())
+    if compiled:
         compile_model(model, cfg.compile_mode, cfg.compile_backend)
-        graphs = cfg.compile_backend == "inductor" and resolve_mode(cfg.compile_mode) in CUDA_GRAPH_MODES
+    # A gradient is a CUDA-graph output that the next micro-step's replay overwrites: a parameter whose .grad is
+    # None would take that buffer as its .grad; an allocated .grad accumulates into itself instead.
+    keep_grads = compiled and uses_cuda_graphs(cfg.compile_mode, cfg.compile_backend) and cfg.grad_accum > 1
     train_windows = TokenWindows(data.shard("train"), cfg.seq_len, seed=cfg.seed)
     val_windows = TokenWindows(data.shard("val"), cfg.seq_len, shuffle=False)
 
@@ -350,9 +352,7 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> di
     bar = tqdm(total=cfg.max_steps, initial=state.step, disable=not accelerator.is_main_process, desc="train")
     record: dict[str, Any] = {}
     params = [p for p in model.parameters() if p.requires_grad]
-    if graphs and cfg.grad_accum > 1:
-        # A gradient is a CUDA-graph output that the next micro-step's replay overwrites: a parameter whose .grad
-        # is None would take that buffer as its .grad; an allocated .grad accumulates into itself instead.
+    if keep_grads:
         for p in params:
             p.grad = torch.zeros_like(p)
     base_recipes = {name: m.recipe for name, m in fp4_modules(accelerator.unwrap_model(model)).items()}
@@ -405,7 +405,7 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> di
         else:
             state.bad_in_row += 1
             state.skipped += 1
-        optimizer.zero_grad(set_to_none=not (graphs and cfg.grad_accum > 1))
+        optimizer.zero_grad(set_to_none=not keep_grads)
         dt = time.perf_counter() - t0
         record = {"step": state.step, "tokens": state.step * tokens_per_step,
                   "loss": loss_sum if finite else None, "lr": scheduler.get_last_lr()[0],
