@@ -257,3 +257,19 @@ def orthogonality_error(o: torch.Tensor, g: torch.Tensor) -> float:
     u, _, vh = torch.linalg.svd(g.double(), full_matrices=False)
     polar = u @ vh
     return float((o.double() - polar).norm() / polar.norm())
+
+
+def build_optimizer(name: str, groups: list[dict], lr: float, betas: tuple[float, float],
+                    options: dict) -> torch.optim.Optimizer:
+    """The trainer's optimizer `name` ("adamw" | "fp4_adamw" | "muon") over param groups; for muon, groups marked
+    ``muon=True`` take ``options["muon_lr"]`` (default 0.02) as their lr, the others `lr`."""
+    if name == "muon":
+        opts = dict(options)
+        muon_lr = opts.pop("muon_lr", 0.02)
+        groups = [{**g, "lr": muon_lr} if g.get("muon") else g for g in groups if g["params"]]
+        return Muon(groups, lr=lr, betas=betas, **opts)
+    if name == "fp4_adamw":
+        return FP4AdamW(groups, lr=lr, betas=betas, **options)
+    fused = {"fused": True} if torch.cuda.is_available() else {}
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, **fused)
+

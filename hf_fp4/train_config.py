@@ -108,16 +108,12 @@ class TrainConfig:
         if unknown:
             raise ValueError(f"optimizer_options {unknown} for optimizer={self.optimizer}; valid: "
                              f"{', '.join(valid) or 'none'}")
-        if self.optimizer == "fp4_adamw":  # bad values (an unknown spec, a transform) fail here, not at step 1
-            from .optim import FP4AdamW
+        if self.optimizer == "adamw":
+            return
+        from .optim import build_optimizer  # bad values (an unknown spec, a transform) fail here, not at step 1
 
-            FP4AdamW([torch.zeros(1, requires_grad=True)], **self.optimizer_options)
-        if self.optimizer == "muon":
-            from .optim import Muon
-
-            opts = dict(self.optimizer_options)
-            Muon([{"params": [torch.zeros(1, 1, requires_grad=True)], "muon": True}], lr=opts.pop("muon_lr", 0.02),
-                 **opts)
+        build_optimizer(self.optimizer, [{"params": [torch.zeros(1, 1, requires_grad=True)], "muon": True}],
+                        self.lr, (self.beta1, self.beta2), self.optimizer_options)
 
     def _validate_precision_schedule(self) -> None:
         last = 0.0

@@ -31,7 +31,7 @@ from .data import TokenWindows, atomic_write_text, fingerprint, prepare_data
 from .diagnostics import locate_non_finite
 from .extras import optional
 from .integration import FP4TrainConfig
-from .optim import FP4AdamW, Muon
+from .optim import build_optimizer
 from .quantize import NonFiniteError
 from .train_config import TrainConfig
 
@@ -307,20 +307,13 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> di
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2 or "lora_svd" in n]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     if cfg.optimizer == "muon":  # hidden matrices by Muon, embeddings / LM head / norms by its AdamW part
-        opts = dict(cfg.optimizer_options)
-        muon_lr = opts.pop("muon_lr", 0.02)
         hidden = [p for n, p in model.named_parameters() if p.dim() == 2 and "embed" not in n and "lm_head" not in n
                   and "lora_svd" not in n]
         ids = {id(p) for p in hidden}
-        groups = [{"params": hidden, "muon": True, "lr": muon_lr, "weight_decay": cfg.weight_decay},
+        groups = [{"params": hidden, "muon": True, "weight_decay": cfg.weight_decay},
                   {"params": [p for p in decay if id(p) not in ids], "weight_decay": cfg.weight_decay},
                   {"params": no_decay, "weight_decay": 0.0}]
-        optimizer = Muon([g for g in groups if g["params"]], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), **opts)
-    elif cfg.optimizer == "fp4_adamw":
-        optimizer = FP4AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), **cfg.optimizer_options)
-    else:
-        fused = {"fused": True} if torch.cuda.is_available() else {}
-        optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), **fused)
+    optimizer = build_optimizer(cfg.optimizer, groups, cfg.lr, (cfg.beta1, cfg.beta2), cfg.optimizer_options)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg))
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     state = RunState(accelerator.unwrap_model(model))
