@@ -78,6 +78,11 @@ def fetch_deb(package: str, archives: Path) -> Path:
     return found[-1]
 
 
+def fetch_debs(archives: Path) -> list[Path]:
+    """Every prose package's .deb (what a machine without a registry needs carried, with the small corpus)."""
+    return [fetch_deb(source.package, archives) for source in DEB_SOURCES]
+
+
 def deb_data(path: Path) -> tarfile.TarFile:
     """The data tarball of a .deb (an `ar` archive: debian-binary, control.tar.*, data.tar.*)."""
     raw = path.read_bytes()

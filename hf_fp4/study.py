@@ -13,8 +13,8 @@ A study file (configs/study/*.yaml)::
       - {label: nvfp4-late-bf16-fprop, recipe: nvfp4, precision_schedule: [{at: 0.85, bf16: [fprop]}]}
 
 Each run entry is a set of TrainConfig keys (plus `label`, default the recipe, and `seeds`); every run's
-config is validated before the first one starts.  `run_study` runs them as `scripts/pretrain.py`
-subprocesses, several at once (one GPU each when GPUs are given), skipping finished runs and resuming
+config is validated before the first one starts.  `run_study` tokenises each dataset the runs need once,
+then runs them as `python -m hf_fp4 pretrain` subprocesses, several at once (one GPU each when GPUs are given), skipping finished runs and resuming
 interrupted ones; `summarize` writes results.json, table.md (gap to bf16 with the bf16 seed spread) and
 the plots into the study folder.
 """
@@ -34,11 +34,11 @@ from typing import Any
 import yaml
 
 from .compare import load_run
+from .data import atomic_write_text, prepare_data
 from .extras import optional, require
 from .train_config import TrainConfig
 
 STUDY_KEYS = {"name", "base", "overrides", "seeds", "runs"}
-PRETRAIN = Path(__file__).resolve().parents[1] / "scripts" / "pretrain.py"
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,7 @@ class StudyRun:
     label: str     # what the table groups by (seeds of one label are averaged)
     seed: int
     config: dict   # the full pretrain config
+    replica: int = 0  # the seed's position in its run's seed list: every run's first seed is run first
 
 
 @dataclass(frozen=True)
@@ -87,7 +88,7 @@ def load_study(path: str | Path, out: str | Path) -> Study:
         entry = dict(entry)
         label = str(entry.pop("label", entry.get("recipe", base.get("recipe", "bf16"))))
         seeds = entry.pop("seeds", spec.get("seeds", [0]))
-        for seed in seeds:
+        for replica, seed in enumerate(seeds):
             name = f"{label}-s{seed}"
             if name in names:
                 raise ValueError(f"{path}: two runs are named {name!r}; give one a `label`")
@@ -97,14 +98,18 @@ def load_study(path: str | Path, out: str | Path) -> Study:
                 TrainConfig.from_dict(config)
             except (ValueError, FileNotFoundError) as err:
                 raise type(err)(f"{path}: run {name}: {err}") from err
-            runs.append(StudyRun(name, label, seed, config))
+            runs.append(StudyRun(name, label, seed, config, replica))
     return Study(str(spec.get("name") or path.stem), tuple(runs))
 
 
+RESULT = "result.json"  # written by run_study when a run exits cleanly: the run's row of results.json
+
+
 def run_state(run_dir: Path, max_steps: int) -> str:
-    """'done' (final/ exported after max_steps), 'partial' (something to resume) or 'new'."""
+    """'done' (metrics up to max_steps, and final/ exported or the study's result.json written: a run folder
+    committed without its weights stays done), 'partial' (something to resume) or 'new'."""
     metrics = run_dir / "metrics.jsonl"
-    if (run_dir / "final").exists() and metrics.exists():
+    if ((run_dir / "final").exists() or (run_dir / RESULT).exists()) and metrics.exists():
         steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines() if line]
         if steps and steps[-1] >= max_steps:
             return "done"
@@ -114,7 +119,8 @@ def run_state(run_dir: Path, max_steps: int) -> str:
 def run_study(study: Study, out: str | Path, parallel: int = 1, gpus: list[str] | None = None,
               launcher: list[str] | None = None, poll_s: float = 0.5) -> dict[str, int]:
     """Run every unfinished run (`parallel` at a time; run k gets GPU gpus[k % len(gpus)] when given) and
-    return their exit codes (0 for the ones already done).  A failed run does not stop the others."""
+    return their exit codes (0 for the ones already done).  A failed run does not stop the others.  Every
+    label's first seed goes before any second one, so a study stopped half-way has covered the most labels."""
     out = Path(out)
     (out / "configs").mkdir(parents=True, exist_ok=True)
     (out / "logs").mkdir(parents=True, exist_ok=True)
@@ -128,6 +134,14 @@ def run_study(study: Study, out: str | Path, parallel: int = 1, gpus: list[str] 
         cfg_path = out / "configs" / f"{run.name}.yaml"
         cfg_path.write_text(yaml.safe_dump(run.config, sort_keys=False))
         queue.append((run, cfg_path, state))
+    queue.sort(key=lambda item: item[0].replica)
+    # the data once, here: runs started together would each tokenise the same corpus
+    keys = {json.dumps(_data_key(run.config), sort_keys=True, default=str): _data_key(run.config)
+            for run, _, _ in queue}
+    for text, key in keys.items():
+        print(f"study: preparing data {text}", flush=True)
+        prepare_data(*key)
+    runs = {run.name: run for run in study.runs}
     slots = list(range(max(1, parallel)))
     while queue or active:
         while queue and slots:
@@ -136,7 +150,7 @@ def run_study(study: Study, out: str | Path, parallel: int = 1, gpus: list[str] 
             env = dict(os.environ)
             if gpus:
                 env["CUDA_VISIBLE_DEVICES"] = str(gpus[slot % len(gpus)])
-            cmd = [*(launcher or [sys.executable]), str(PRETRAIN), "--config", str(cfg_path)]
+            cmd = [*(launcher or [sys.executable]), "-m", "hf_fp4", "pretrain", "--config", str(cfg_path)]
             cmd += ["--resume"] if state == "partial" else []
             log = open(out / "logs" / f"{run.name}.log", "a")
             print(f"study: {'resuming' if state == 'partial' else 'starting'} {run.name}"
@@ -147,11 +161,18 @@ def run_study(study: Study, out: str | Path, parallel: int = 1, gpus: list[str] 
             if proc.poll() is not None:
                 log.close()
                 codes[name] = proc.returncode
+                if proc.returncode == 0 and (result := _run_result(runs[name])) is not None:
+                    atomic_write_text(Path(runs[name].config["output_dir"]) / RESULT, json.dumps(result, indent=1))
                 slots.append(slot)
                 del active[name]
                 print(f"study: {name} {'finished' if proc.returncode == 0 else f'FAILED ({proc.returncode})'}"
                       + ("" if proc.returncode == 0 else f", see {out / 'logs' / (name + '.log')}"), flush=True)
     return codes
+
+
+def _data_key(config: dict) -> tuple:
+    cfg = TrainConfig.from_dict(config)
+    return cfg.dataset, cfg.tokenizer, cfg.vocab_size, cfg.val_fraction
 
 
 def _run_result(run: StudyRun) -> dict | None:
@@ -162,7 +183,7 @@ def _run_result(run: StudyRun) -> dict | None:
     info_path = run_dir / "run_info.json"
     info = json.loads(info_path.read_text()) if info_path.exists() else {}
     train = [r for r in records if r.get("loss") is not None]
-    val = [(r["step"], r["val_loss"]) for r in records if r.get("val_loss") is not None]
+    val = [[r["step"], r["val_loss"]] for r in records if r.get("val_loss") is not None]
     tokens = records[-1].get("tokens") if records else None
     available = info.get("train_tokens_available")
     return {"run": run.name, "label": run.label, "recipe": run.config.get("recipe", "bf16"), "seed": run.seed,

@@ -28,7 +28,9 @@ def test_study_runs_each_run_once_resumes_and_tabulates(corpus_files, tmp_path, 
     out = tmp_path / "out"
     study = load_study(write_study(tmp_path, corpus_files, runs), out)
     assert [r.name for r in study.runs] == ["bf16-s0", "bf16-s1", "nvfp4-s0", "nvfp4-late-bf16-s0"]
-    codes = run_study(study, out, parallel=2, poll_s=0.1)
+    codes = run_study(study, out, parallel=1, poll_s=0.1)
+    started = [line.split()[-1] for line in capsys.readouterr().out.splitlines() if line.startswith("study: starting")]
+    assert started == ["bf16-s0", "nvfp4-s0", "nvfp4-late-bf16-s0", "bf16-s1"]  # first seeds first
     assert codes == {r.name: 0 for r in study.runs}, [(out / "logs" / f"{n}.log").read_text()[-2000:]
                                                        for n, c in codes.items() if c]
     summary = summarize(study, out)
@@ -45,15 +47,22 @@ def test_study_runs_each_run_once_resumes_and_tabulates(corpus_files, tmp_path, 
     assert (out / "val_curves.png").exists() and (out / "gaps.png").exists()
     assert json.loads((out / "results.json").read_text())["study"] == "t"
 
-    # the same command again runs nothing; an interrupted run (no final/, a checkpoint) resumes exactly
+    # a finished run's folder committed without its weights (metrics, run_info, result.json) stays done
+    for name in ("bf16-s0", "bf16-s1"):
+        assert json.loads((out / "runs" / name / "result.json").read_text()) == got[name]
+        shutil.rmtree(out / "runs" / name / "final")
+        shutil.rmtree(out / "runs" / name / "checkpoints")
+    # the same command again runs nothing; an interrupted run (no final/, no result.json, a checkpoint) resumes
     before = losses(out / "runs" / "nvfp4-s0")
     shutil.rmtree(out / "runs" / "nvfp4-s0" / "final")
+    (out / "runs" / "nvfp4-s0" / "result.json").unlink()
     shutil.rmtree(out / "runs" / "nvfp4-s0" / "checkpoints" / "step_4")
     capsys.readouterr()
     assert run_study(study, out, parallel=2, poll_s=0.1) == {r.name: 0 for r in study.runs}
     printed = capsys.readouterr().out
     assert printed.count("finished earlier, skipped") == 3 and "resuming nvfp4-s0" in printed
     assert losses(out / "runs" / "nvfp4-s0") == before
+    assert summarize(study, out)["runs"] == summary["runs"]
 
 
 def test_a_bad_study_fails_before_any_run(corpus_files, tmp_path):

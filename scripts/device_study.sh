@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# A study on a lent GPU machine whose calls last minutes: the study runs detached (setsid) from an installed
+# copy, so it outlives a call while the machine stays warm; each call waits up to WAIT seconds, then copies the
+# runs' metrics (no weights) to $OUT/study.tgz.  Unpack that into benchmarks/study-<name>/ here and commit:
+# finished runs are skipped by the next start (their result.json travels with the repository).
+# Here, once:  python -c "from hf_fp4.data import builtin_corpus, cache_dir; from hf_fp4.corpus import fetch_debs
+#   builtin_corpus(); fetch_debs(cache_dir() / 'archives')"
+#   mkdir -p .carry && tar cJf .carry/hf_fp4-cache.tar.xz -C ~/.cache/hf_fp4 corpus archives
+#   .venv/bin/pip wheel -q --no-deps -w .carry .
+# Device, carry [".carry"]:
+#   STUDY=configs/study/fp4-recipes-large.yaml PARALLEL=3 WAIT=500 bash scripts/device_study.sh start
+#   WAIT=580 bash scripts/device_study.sh watch          (next calls, each within the machine's idle window)
+set -uo pipefail
+what=${1:-watch}
+ROOT=${STUDY_ROOT:-/root/hf_fp4_study}
+OUT=${OUT:-/tmp/out}
+export HF_FP4_CACHE=$ROOT/cache PYTHONPATH=$ROOT/site PYTHONUNBUFFERED=1 TQDM_MININTERVAL=60
+mkdir -p "$OUT" "$ROOT"
+if [ "$what" = start ]; then
+  STUDY=${STUDY:?STUDY=configs/study/<name>.yaml}
+  name=$(python3 -c "import yaml,sys; print(yaml.safe_load(open('$STUDY'))['name'])")
+  mkdir -p "$HF_FP4_CACHE" "$ROOT/study"
+  tar xJf .carry/hf_fp4-cache.tar.xz -C "$HF_FP4_CACHE"
+  python3 -m pip install -q --no-index --no-deps --target "$ROOT/site" .carry/hf_fp4-*.whl
+  cp -r configs "$ROOT/"
+  [ -d "benchmarks/study-$name" ] && cp -r "benchmarks/study-$name/." "$ROOT/study/"
+  echo "$name" > "$ROOT/name"
+  date -u +"%F %T start" > "$ROOT/study.log"
+  (cd "$ROOT" && setsid nohup python3 -P -m hf_fp4 study "$STUDY" --out "$ROOT/study" --parallel "${PARALLEL:-2}" \
+     >> "$ROOT/study.log" 2>&1 < /dev/null &)
+fi
+deadline=$((SECONDS + ${WAIT:-540}))
+while [ $SECONDS -lt $deadline ] && pgrep -f "hf_fp4 study" > /dev/null; do sleep 10; done
+cd "$ROOT/study" 2>/dev/null && tar czf "$OUT/study.tgz" --ignore-failed-read \
+  $(ls -d runs/*/metrics.jsonl runs/*/run_info.json runs/*/result.json runs/*/train_config.yaml logs 2>/dev/null)
+cp "$ROOT/study.log" "$OUT/" 2>/dev/null
+nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader > "$OUT/gpu.txt"
+pgrep -f "hf_fp4 study" > /dev/null && echo "study still running" || echo "study process ended"
+tail -20 "$ROOT/study.log"
