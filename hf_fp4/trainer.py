@@ -18,6 +18,7 @@ import json
 import math
 import os
 import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -342,7 +343,9 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> di
         atomic_write_text(run_dir / "run_info.json", json.dumps(
             {"train_tokens_available": data.train_tokens, "val_tokens": data.val_tokens,
              "tokens_per_step": tokens_per_step, "processes": world, "parameters": n_params}))
-    bar = tqdm(total=cfg.max_steps, initial=state.step, disable=not accelerator.is_main_process, desc="train")
+    # a log file (a study's runs, a batch job) gets a progress line every 30 s, not one per step
+    bar = tqdm(total=cfg.max_steps, initial=state.step, disable=not accelerator.is_main_process, desc="train",
+               mininterval=0.1 if sys.stderr.isatty() else 30.0)
     record: dict[str, Any] = {}
     params = [p for p in model.parameters() if p.requires_grad]
     if keep_grads:

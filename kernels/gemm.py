@@ -7,7 +7,11 @@
    product of the row scales applied after (powers of two: exact);
 2. a correction launch that recomputes exactly, from the E4M3 data, the `side` values and the block
    exponents, every output tile that touches a row flagged as holding a block below E4M3's range,
-   and overwrites it.  It is one persistent program per SM that first reads each operand's "any row
+   and overwrites it.  The recomputation runs on the BF16 tensor cores: every exact operand value is
+   a 4-bit grid value (at most 4 significant bits) times a power of two, so BF16 holds it exactly and
+   the products are exact in the FP32 accumulator.  (It was an FP32 `ieee` dot on the CUDA cores: once
+   training spread the operands out, most rows were flagged and MX training ran 10x slower than NVFP4,
+   benchmarks/study-fp4-recipes-large/README.md.)  It is one persistent program per SM that first reads each operand's "any row
    flagged" element (flags[rows]) and returns when both are clear: a few microseconds, and no host
    ever waits on a flag.  (A program per output tile, reading its rows' flags, cost 25 us per GEMM:
    7% of a 1.1B train step, profiled on the H200.)
@@ -45,7 +49,7 @@ def _correction_kernel(out_ptr, M, N, ld_out,
                        b_ptr, b_side, b_eb, b_scale, b_flags, NB, K,
                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                        A_BLC: tl.constexpr, A_SHIFT: tl.constexpr, B_BLC: tl.constexpr, B_SHIFT: tl.constexpr,
-                       OUT_BF16: tl.constexpr):
+                       OUT_BF16: tl.constexpr, INTERPRETED: tl.constexpr):
     """A few persistent programs: nothing but two flag reads unless an operand has a lost block (flags[MA],
     flags[NB]: "any row flagged"); then they walk the output tiles and recompute the flagged ones."""
     if tl.load(a_flags + MA).to(tl.int32) + tl.load(b_flags + NB).to(tl.int32) > 0:
@@ -58,21 +62,24 @@ def _correction_kernel(out_ptr, M, N, ld_out,
             if flagged > 0:
                 _recompute_tile(out_ptr, M, N, ld_out, rows, cols, a_ptr, a_side, a_eb, a_scale, MA,
                                 b_ptr, b_side, b_eb, b_scale, NB, K, BM, BN, BK, A_BLC, A_SHIFT, B_BLC, B_SHIFT,
-                                OUT_BF16)
+                                OUT_BF16, INTERPRETED)
 
 
 @triton.jit
 def _recompute_tile(out_ptr, M, N, ld_out, rows, cols, a_ptr, a_side, a_eb, a_scale, MA,
                     b_ptr, b_side, b_eb, b_scale, NB, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                     A_BLC: tl.constexpr, A_SHIFT: tl.constexpr, B_BLC: tl.constexpr, B_SHIFT: tl.constexpr,
-                    OUT_BF16: tl.constexpr):
+                    OUT_BF16: tl.constexpr, INTERPRETED: tl.constexpr):
     """The exact [rows, cols] tile of the product from the exact operand values, stored over out."""
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(0, K, BK):
         ks = k0 + tl.arange(0, BK)
         a = _exact_values(a_ptr, a_side, a_eb, a_scale, rows, ks, MA, K, A_BLC, A_SHIFT)
         b = _exact_values(b_ptr, b_side, b_eb, b_scale, cols, ks, NB, K, B_BLC, B_SHIFT)
-        acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")  # exact products, FP32 sums
+        if INTERPRETED:  # the interpreter multiplies BF16 operands of tl.dot as their raw bits: FP32 there
+            acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
+        else:  # BF16 holds every value exactly: exact products, FP32 sums, on the tensor cores
+            acc = tl.dot(a.to(tl.bfloat16), tl.trans(b.to(tl.bfloat16)), acc)
     mask = (rows[:, None] < M) & (cols[None, :] < N)
     optr = out_ptr + rows[:, None].to(tl.int64) * ld_out + cols[None, :]
     if OUT_BF16:  # round to nearest even by hand (Triton's interpreter truncates in .to(bfloat16))
@@ -89,7 +96,7 @@ def _programs(device_index: int) -> int:
 
 
 def correct_lost_tiles(out: torch.Tensor, a, b, a_blc: int, a_shift: int, b_blc: int, b_shift: int,
-                       tile: tuple[int, int, int] = (64, 64, 32), programs: int | None = None) -> None:
+                       tile: tuple[int, int, int] = (128, 128, 64), programs: int | None = None) -> None:
     """Recompute exactly, in place, the tiles of out [M, N] whose rows of a or b are flagged (one program
     per SM, or `programs`; each walks its share of the tiles, only when some row is flagged)."""
     m, n = out.shape
@@ -101,8 +108,8 @@ def correct_lost_tiles(out: torch.Tensor, a, b, a_blc: int, a_shift: int, b_blc:
     wrap_triton(_correction_kernel)[(max(1, min(tiles, programs)),)](
         out, m, n, out.stride(0), a.data, a.side, a.eb, a.scale, a.flags, a.data.shape[0],
         b.data, b.side, b.eb, b.scale, b.flags, b.data.shape[0], k,
-        BM=bm, BN=bn, BK=min(bk, k), A_BLC=a_blc, A_SHIFT=a_shift, B_BLC=b_blc, B_SHIFT=b_shift,
-        OUT_BF16=out.dtype == torch.bfloat16, num_warps=4)
+        BM=bm, BN=bn, BK=min(bk, triton.next_power_of_2(k)), A_BLC=a_blc, A_SHIFT=a_shift, B_BLC=b_blc, B_SHIFT=b_shift,
+        OUT_BF16=out.dtype == torch.bfloat16, INTERPRETED=not out.is_cuda, num_warps=8 if bm * bn >= 128 * 128 else 4)
 
 
 def scaled_mm(a, b, m: int, n: int, out_dtype: torch.dtype) -> torch.Tensor:

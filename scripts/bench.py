@@ -249,11 +249,20 @@ def linear_impls(k, n, dev, names):
             yield name, layer
 
 
-def bench_linear(dev, tokens, shapes, results, names):
+def spread_rows(t: torch.Tensor, octaves: float = 12.0) -> torch.Tensor:
+    """Each row (token) scaled by 2^u, u uniform in [-octaves, octaves]: the spread of a trained model's
+    activations and gradients, which puts blocks of one wgrad row (along T) beyond E4M3's reach."""
+    g = torch.Generator(device=t.device).manual_seed(t.shape[1])
+    u = torch.rand(t.shape[0], 1, generator=g, device=t.device) * 2 * octaves - octaves
+    return (t.float() * torch.exp2(u)).to(t.dtype)
+
+
+def bench_linear(dev, tokens, shapes, results, names, spread=False):
     table = []
+    make = spread_rows if spread else (lambda t: t)
     for k, n in shapes:
-        inputs = [(torch.randn(tokens, k, device=dev, dtype=torch.bfloat16, requires_grad=True),
-                   torch.randn(tokens, n, device=dev, dtype=torch.bfloat16)) for _ in range(3)]
+        inputs = [(make(torch.randn(tokens, k, device=dev, dtype=torch.bfloat16)).requires_grad_(),
+                   make(torch.randn(tokens, n, device=dev, dtype=torch.bfloat16))) for _ in range(3)]
         row, base_ms = [f"{k}x{n}"], None
         for name, layer in linear_impls(k, n, dev, names):
             def step(x, dy, layer=layer):
@@ -263,12 +272,14 @@ def bench_linear(dev, tokens, shapes, results, names):
                     p.grad = None
             ms = timed(step, inputs, warmup=3, reps=20, graphs=name.endswith("graphs"))
             base_ms = base_ms or ms
-            results["linear"].append({"shape": f"{k}x{n}", "tokens": tokens, "impl": name, "ms": round(ms, 4)})
+            results["linear"].append({"shape": f"{k}x{n}", "tokens": tokens, "impl": name, "ms": round(ms, 4),
+                                      "inputs": "spread" if spread else "normal"})
             row.append(f"{ms:.2f} ({base_ms / ms:.2f}x)")
             del layer
             torch.cuda.empty_cache() if dev == "cuda" else None
         table.append(row)
-    return md_table(f"Linear forward + backward, {tokens} tokens, bf16 (ms; speed vs bf16 nn.Linear)",
+    what = ", rows of x and dy spread over 2^-12..2^12 (spread_rows)" if spread else ""
+    return md_table(f"Linear forward + backward, {tokens} tokens{what}, bf16 (ms; speed vs bf16 nn.Linear)",
                     ["K x N"] + names, table)
 
 
@@ -351,7 +362,9 @@ def bench50m_model() -> dict:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--parts", default="quant,linear,e2e", help="comma list of quant, linear, e2e, e2e50m")
+    parser.add_argument("--parts", default="quant,linear,e2e",
+                        help="comma list of quant, linear, linear_spread (inputs with a trained model's spread of "
+                             "magnitudes), e2e, e2e50m")
     parser.add_argument("--quick", action="store_true", help="tiny sizes (a CPU smoke test of the script)")
     parser.add_argument("--out", default="benchmarks", help="folder for results-<date>.{json,md}")
     parser.add_argument("--impls", default=None, help="comma list restricting the linear / e2e impls")
@@ -404,6 +417,9 @@ def main():
     if "linear" in parts:
         text.append(bench_linear(dev, sizes["tokens"], sizes["shapes"], results, lin_names))
         write(results, stem, "\n".join(text))
+    if "linear_spread" in parts:
+        text.append(bench_linear(dev, sizes["tokens"], sizes["shapes"], results, lin_names, spread=True))
+        write(results, stem, "\n".join(text))
     if "e2e" in parts:
         text.append(bench_e2e(dev, "llama-1.1b", sizes["e2e"], sizes["batch"], sizes["seq"], sizes["steps"],
                               results, e2e_names, lambda: write(results, stem, render(results))))
@@ -439,13 +455,14 @@ def render(results) -> str:
         text.append(md_table(f"Operand quantization of a {results['quant'][0]['tensor']} bf16 tensor, GPU time "
                              "(CUDA-graph replay; bytes read once + written; % of the device copy's bytes/s)",
                              ["impl", "ms", "GB/s", "% of copy"], rows))
-    if results["linear"]:
-        impls = list(dict.fromkeys(r["impl"] for r in results["linear"]))
+    for inputs in dict.fromkeys(r.get("inputs", "normal") for r in results["linear"]):
+        runs = [r for r in results["linear"] if r.get("inputs", "normal") == inputs]
+        impls = list(dict.fromkeys(r["impl"] for r in runs))
         rows = []
-        for shape in dict.fromkeys(r["shape"] for r in results["linear"]):
-            ms = {r["impl"]: r["ms"] for r in results["linear"] if r["shape"] == shape}
+        for shape in dict.fromkeys(r["shape"] for r in runs):
+            ms = {r["impl"]: r["ms"] for r in runs if r["shape"] == shape}
             rows.append([shape] + [f"{ms[i]:.2f} ({ms['bf16'] / ms[i]:.2f}x)" if i in ms else "-" for i in impls])
-        text.append(md_table(f"Linear forward + backward, {results['linear'][0]['tokens']} tokens, bf16 "
+        text.append(md_table(f"Linear forward + backward, {runs[0]['tokens']} tokens, {inputs} inputs, bf16 "
                              "(ms; speed vs bf16 nn.Linear)", ["K x N"] + impls, rows))
     for model in dict.fromkeys(r["model"] for r in results["e2e"]):
         runs = [r for r in results["e2e"] if r["model"] == model]

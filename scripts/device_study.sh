@@ -14,7 +14,7 @@ set -uo pipefail
 what=${1:-watch}
 ROOT=${STUDY_ROOT:-/root/hf_fp4_study}
 OUT=${OUT:-/tmp/out}
-export HF_FP4_CACHE=$ROOT/cache PYTHONPATH=$ROOT/site PYTHONUNBUFFERED=1 TQDM_MININTERVAL=60
+export HF_FP4_CACHE=$ROOT/cache PYTHONPATH=$ROOT/site PYTHONUNBUFFERED=1
 mkdir -p "$OUT" "$ROOT"
 if [ "$what" = start ]; then
   STUDY=${STUDY:?STUDY=configs/study/<name>.yaml}

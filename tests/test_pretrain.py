@@ -484,9 +484,7 @@ def test_compare_runs_without_matplotlib_prints_the_table_or_refuses_the_plot(tm
 
 def test_overrides_may_follow_flags(tmp_path, capsys):
     """`pretrain.py --config C recipe=X --output_dir D trackers=[]` parses (intermixed), then names the bad value."""
-    import runpy
-
-    main = runpy.run_path(str(ROOT / "scripts" / "pretrain.py"), run_name="pretrain")["main"]
+    from hf_fp4.cli import pretrain as main
     cfg = write_cfg(tmp_path / "c.yaml", {"model": TINY_MODEL})
     with pytest.raises(SystemExit) as exc:
         main(["--config", cfg, "recipe=nvfp5", "--output_dir", str(tmp_path / "d"), "trackers=[]"])
@@ -585,3 +583,11 @@ def test_muon_trains_the_hidden_matrices_and_adamw_the_rest(corpus_files, tmp_pa
     with pytest.raises(ValueError, match="quintic iteration diverges"):
         TrainConfig.from_dict(tiny_cfg(corpus_files, tmp_path / "x", optimizer="muon",
                                        optimizer_options={"ns_spec": "nvfp4"}))
+
+
+def test_python_m_hf_fp4_names_its_commands():
+    """`python -m hf_fp4` (what a study launches, from an installed wheel too) lists pretrain and study."""
+    done = subprocess.run([sys.executable, "-m", "hf_fp4", "pretrian"], capture_output=True, text=True)
+    assert done.returncode == 2 and "pretrain|study" in done.stderr and "pretrian" in done.stderr
+    done = subprocess.run([sys.executable, "-m", "hf_fp4", "study", "--help"], capture_output=True, text=True)
+    assert done.returncode == 0 and "--parallel" in done.stdout
