@@ -148,3 +148,13 @@ def round_to_grid(x: torch.Tensor, grid: "Grid | str", rounding: str = "nearest"
                   noise: torch.Tensor | None = None) -> torch.Tensor:
     """Round FP32 values onto the grid (decode(encode(x)))."""
     return decode(encode(x, grid, rounding, noise), grid)
+
+
+FLT_MIN = 2.0**-126  # FP32's smallest normal number
+
+
+def flush_subnormals(x: torch.Tensor) -> torch.Tensor:
+    """Values below FP32's smallest normal number in magnitude become +0 (what the quantizers see: GPU
+    arithmetic may flush subnormals, and Triton's interpreter does when it widens BF16, so the spec does
+    it for every implementation, at the input and after a Hadamard rotation).  NaN and inf stay."""
+    return torch.where(x.abs() < FLT_MIN, torch.zeros_like(x), x)

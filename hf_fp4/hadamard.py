@@ -15,6 +15,8 @@ import math
 
 import torch
 
+from .formats import flush_subnormals
+
 HADAMARD_SIZES = (16, 32, 64, 128, 256)
 
 
@@ -69,7 +71,7 @@ def apply_hadamard(x: torch.Tensor, n: int, signs: torch.Tensor | None = None) -
         raise ValueError(f"Hadamard size {n} not supported; valid sizes: {HADAMARD_SIZES}")
     k = x.shape[-1]
     pad = -k % n
-    xf = x.float()
+    xf = flush_subnormals(x.float())
     if pad:
         xf = torch.nn.functional.pad(xf, (0, pad))
     lead = xf.shape[:-1]
@@ -82,7 +84,7 @@ def apply_hadamard(x: torch.Tensor, n: int, signs: torch.Tensor | None = None) -
         a, b = pairs[:, :, 0, :], pairs[:, :, 1, :]
         blocks = torch.stack([a + b, a - b], dim=2).reshape(-1, n)
         stride *= 2
-    blocks = blocks * torch.tensor(1.0 / math.sqrt(n), dtype=torch.float32)
+    blocks = flush_subnormals(blocks * torch.tensor(1.0 / math.sqrt(n), dtype=torch.float32))
     return blocks.reshape(*lead, k + pad)
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .formats import ELEMENT_BITS, encode, grid_max
+from .formats import ELEMENT_BITS, encode, flush_subnormals, grid_max
 from .philox import philox_noise
 from .qtensor import NonFiniteError, QuantizedTensor, expand_blocks, pack_codes, unpack_codes  # noqa: F401
 from .scales import BlockScales, block_scales
@@ -70,7 +70,7 @@ class _Scaled:
 
 
 def _scale(x: torch.Tensor, spec: QuantSpec) -> _Scaled:
-    x = as_matrix(x)
+    x = flush_subnormals(as_matrix(x))
     bad = check_finite(x, spec)
     if bad is not None:
         x = torch.where(bad, torch.zeros_like(x), x)

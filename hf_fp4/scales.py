@@ -9,7 +9,7 @@ elements are multiplied by before rounding ("encode"), and the FP32 factor that 
 * ``e8m0_ceil`` -- truncation-free: the smallest power of two X with amax <= qmax * X (torchao's
   RCEIL), so nothing saturates; stochastic rounding is unbiased only with such scales.
 * ``ue4m3_fp32`` -- NVIDIA NVFP4 two-level scaling, generalised to any grid max qmax:
-  s_enc = 448 * qmax / amax(tensor) (1 if amax is 0 or s_enc is 0; capped at FLT_MAX);
+  s_enc = 448 * qmax / amax(tensor) (1 if amax is 0 or subnormal, or s_enc is 0; capped at FLT_MAX);
   s_b = e4m3_rne(min(amax_b / qmax * s_enc, FLT_MAX)), saturating at 448;
   the encode factor is 1 / (fp32(s_b) * (1 / s_enc)), computed in FP32 as TransformerEngine does.
   A block whose s_b rounds to zero decodes to zero (TransformerEngine; torchao clamps instead).
@@ -29,6 +29,7 @@ from .formats import Grid, encode, decode, grid_emax, grid_max
 
 E4M3_MAX = 448.0
 FLT_MAX = torch.finfo(torch.float32).max
+FLT_MIN = 2.0**-126  # FP32's smallest normal number
 
 
 class ScaleRule(str, enum.Enum):
@@ -90,10 +91,11 @@ def e8m0_ceil_exponent(amax: torch.Tensor, grid: Grid) -> torch.Tensor:
 
 
 def nvfp4_tensor_encode_scale(tensor_amax: torch.Tensor, grid: Grid) -> torch.Tensor:
-    """s_enc = 448 * qmax / amax in FP32, capped at FLT_MAX; 1 when amax or s_enc is zero (TE)."""
+    """s_enc = 448 * qmax / amax in FP32, capped at FLT_MAX; 1 when amax or s_enc is zero (TE), and when amax
+    is subnormal (below FLT_MIN = 2^-126: GPU arithmetic may flush it to zero, so it counts as zero)."""
     amax = tensor_amax.float()
     s_enc = torch.clamp(torch.full_like(amax, E4M3_MAX * grid_max(grid)) / amax, max=FLT_MAX)
-    return torch.where((amax == 0) | (s_enc == 0), torch.ones_like(s_enc), s_enc)
+    return torch.where((amax < FLT_MIN) | (s_enc == 0), torch.ones_like(s_enc), s_enc)
 
 
 def div_exact(a: torch.Tensor, b: float) -> torch.Tensor:
@@ -110,7 +112,10 @@ def ue4m3_two_level(amax: torch.Tensor, tensor_amax: torch.Tensor, grid: Grid) -
     s_b_codes = encode(block, Grid.E4M3, "nearest")  # RNE, saturating at 448
     s_b = decode(s_b_codes, Grid.E4M3)
     decode_factor = s_b * s_dec
-    encode_factor = torch.where(s_b > 0, torch.reciprocal(decode_factor), torch.zeros_like(s_b))
+    # capped at FLT_MAX: a tensor whose amax is below ~8e-36 has a subnormal decode factor whose reciprocal
+    # overflows, and x * inf would turn its zeros into NaN (0 * inf); capped, they stay zeros
+    encode_factor = torch.where(s_b > 0, torch.clamp(torch.reciprocal(decode_factor), max=FLT_MAX),
+                                torch.zeros_like(s_b))
     return BlockScales(s_b_codes.view(torch.float8_e4m3fn), encode_factor, decode_factor, s_dec)
 
 

@@ -121,9 +121,10 @@ def e8m0_exponent(amax, CEIL: tl.constexpr, QM: tl.constexpr, QE: tl.constexpr, 
 
 @triton.jit
 def tensor_encode_scale(tensor_amax, QMAX: tl.constexpr):
-    """s_enc = 448 * qmax / amax (IEEE division), capped at FLT_MAX; 1 when amax or s_enc is 0 (TE)."""
+    """s_enc = 448 * qmax / amax (IEEE division), capped at FLT_MAX; 1 when amax or s_enc is 0 (TE) and when
+    amax is subnormal (< 2^-126; flushed or not, as the reference)."""
     s_enc = tl.minimum(tl.math.div_rn(448.0 * QMAX, tensor_amax), 3.4028234663852886e38)
-    return tl.where((tensor_amax == 0) | (s_enc == 0), 1.0, s_enc)
+    return tl.where((tensor_amax < 1.1754943508222875e-38) | (s_enc == 0), 1.0, s_enc)
 
 
 @triton.jit
@@ -160,7 +161,13 @@ def hadamard(x, signs_ptr, BM: tl.constexpr, BK: tl.constexpr, H: tl.constexpr, 
         x = butterfly(x, BM, BK, 64)
     if H > 128:
         x = butterfly(x, BM, BK, 128)
-    return x * HSCALE
+    return flush_subnormals(x * HSCALE)
+
+
+@triton.jit
+def flush_subnormals(x):
+    """hf_fp4.formats.flush_subnormals: |x| < 2^-126 -> +0 (NaN, inf kept)."""
+    return tl.where(tl.abs(x) < 1.1754943508222875e-38, 0.0, x)
 
 
 @triton.jit

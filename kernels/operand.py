@@ -32,12 +32,14 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
-from hf_fp4.operand_plan import Operand, OperandPlan, empty_operand, fp8_dmax, fp8_shift
+from hf_fp4.operand_plan import FP8_CHUNK, Operand, OperandPlan, empty_operand, fp8_dmax, fp8_shift
 from hf_fp4.spec import Rounding
 
 from .numerics import (block_max, e8m0_exponent, expand_blocks, grid_constants, hadamard, pow2, round_grid,
                        sr_uniforms, tensor_encode_scale, ue4m3_block_scale)
 from .quant import SCALE_CODES, load_tile
+
+CHUNK = tl.constexpr(FP8_CHUNK)  # contraction columns per FP8 reference exponent (and cuBLAS block scale)
 
 @triton.jit
 def _finite_abs(x):
@@ -46,50 +48,57 @@ def _finite_abs(x):
 
 
 @triton.jit
-def _stat(x, stat_ptr, rows, n_rows, signs_ptr, BM: tl.constexpr, BK: tl.constexpr, STAT: tl.constexpr,
-          H: tl.constexpr, HSCALE: tl.constexpr, HAS_SIGNS: tl.constexpr):
-    """Reduce one rotated orientation's statistic from its [BM, BK] tile (rows = operand rows)."""
-    a = _finite_abs(hadamard(x, signs_ptr, BM, BK, H, HSCALE, HAS_SIGNS))
-    row_max = tl.max(a, axis=1)
-    if STAT == 1:
-        tl.atomic_max(stat_ptr + rows, row_max, mask=rows < n_rows)
+def _fold_stat(a, stat_ptr, rows, n_rows, ld, k0, BM: tl.constexpr, BK: tl.constexpr, STAT: tl.constexpr,
+               TRANSPOSED: tl.constexpr):
+    """Fold |values| of an orientation into its statistic (atomic max): STAT 1 per operand row and CHUNK
+    contraction columns, at stat[chunk * ld + row]; STAT 2 the tensor.  a is the [BM rows, BK columns] tile
+    of the operand starting at contraction column k0, or its transpose [BK, BM] when TRANSPOSED (reduced
+    where it lies, without a register transpose)."""
+    if STAT == 2:
+        tl.atomic_max(stat_ptr, tl.max(tl.max(a, axis=1), axis=0))
+    elif BK <= CHUNK:  # the tile lies in one chunk (tiles and chunks are powers of two)
+        tl.atomic_max(stat_ptr + (k0 // CHUNK) * ld + rows, tl.max(a, axis=0 if TRANSPOSED else 1),
+                      mask=rows < n_rows)
     else:
-        tl.atomic_max(stat_ptr, tl.max(row_max, axis=0))
+        NCH: tl.constexpr = BK // CHUNK
+        chunks = k0 // CHUNK + tl.arange(0, NCH)
+        if TRANSPOSED:
+            m = tl.max(tl.reshape(a, [NCH, CHUNK, BM]), axis=1)
+            tl.atomic_max(stat_ptr + chunks[:, None] * ld + rows[None, :], m, mask=(rows < n_rows)[None, :])
+        else:
+            m = tl.max(tl.reshape(a, [BM, NCH, CHUNK]), axis=2)
+            tl.atomic_max(stat_ptr + chunks[None, :] * ld + rows[:, None], m, mask=(rows < n_rows)[:, None])
 
 
 @triton.jit
-def _stats_kernel(t_ptr, R, C, s_r, s_c, mu_ptr, a_stat, a_signs, b_stat, b_signs,
+def _stats_kernel(t_ptr, R, C, s_r, s_c, mu_ptr, a_stat, a_signs, a_ld, b_stat, b_signs, b_ld,
                   BR: tl.constexpr, BC: tl.constexpr, HAS_MU: tl.constexpr, EVEN: tl.constexpr,
                   A_STAT: tl.constexpr, A_H: tl.constexpr, A_HSCALE: tl.constexpr, A_SIGNS: tl.constexpr,
                   B_STAT: tl.constexpr, B_H: tl.constexpr, B_HSCALE: tl.constexpr, B_SIGNS: tl.constexpr):
-    """Per-row / tensor amax of each orientation from one read of t.  An orientation without a Hadamard
-    reduces the tile where it lies (B's rows are t's columns: a max over axis 0, no transpose), and a
-    tensor amax common to both is reduced once."""
+    """Per-(row, chunk) / tensor amax of each orientation from one read of t.  An orientation without a
+    Hadamard reduces the tile where it lies (B's rows are t's columns: a max over axis 0, no transpose)."""
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     cols = tl.program_id(1) * BC + tl.arange(0, BC)
     x = load_tile(t_ptr, rows, cols, R, C, s_r, s_c, mu_ptr, HAS_MU, EVEN)
     PLAIN: tl.constexpr = (A_STAT > 0 and A_H == 0) or (B_STAT > 0 and B_H == 0)
     if PLAIN:
         a = _finite_abs(x)
-        row_max = tl.max(a, axis=1)
     if A_STAT > 0:
         if A_H > 0:
-            _stat(x, a_stat, rows, R, a_signs, BR, BC, A_STAT, A_H, A_HSCALE, A_SIGNS)
-        elif A_STAT == 1:
-            tl.atomic_max(a_stat + rows, row_max, mask=rows < R)
+            a_rot = _finite_abs(hadamard(x, a_signs, BR, BC, A_H, A_HSCALE, A_SIGNS))
+            _fold_stat(a_rot, a_stat, rows, R, a_ld, tl.program_id(1) * BC, BR, BC, A_STAT, False)
         else:
-            tl.atomic_max(a_stat, tl.max(row_max, axis=0))
+            _fold_stat(a, a_stat, rows, R, a_ld, tl.program_id(1) * BC, BR, BC, A_STAT, False)
     if B_STAT > 0:
         if B_H > 0:
-            _stat(tl.trans(x), b_stat, cols, C, b_signs, BC, BR, B_STAT, B_H, B_HSCALE, B_SIGNS)
-        elif B_STAT == 1:
-            tl.atomic_max(b_stat + cols, tl.max(a, axis=0), mask=cols < C)
+            b_rot = _finite_abs(hadamard(tl.trans(x), b_signs, BC, BR, B_H, B_HSCALE, B_SIGNS))
+            _fold_stat(b_rot, b_stat, cols, C, b_ld, tl.program_id(0) * BR, BC, BR, B_STAT, False)
         else:
-            tl.atomic_max(b_stat, tl.max(row_max, axis=0))
+            _fold_stat(a, b_stat, cols, C, b_ld, tl.program_id(0) * BR, BC, BR, B_STAT, True)
 
 
 @triton.jit
-def _emit(x, rows, cols, col0, first_k_tile, first_tile, out_ptr, n_rows, n_cols, stat_ptr, scale_ptr, seed_ptr,
+def _emit(x, rows, cols, col0, first_tile, out_ptr, n_rows, n_cols, stat_ptr, scale_ptr, seed_ptr,
           signs_ptr, side_ptr, eb_ptr, flag_ptr, KP,
           BM: tl.constexpr, BK: tl.constexpr, BLR: tl.constexpr, BLC: tl.constexpr, GRID: tl.constexpr,
           QMAX: tl.constexpr, QM: tl.constexpr, QE: tl.constexpr, EMAX: tl.constexpr, SCALE: tl.constexpr,
@@ -113,14 +122,19 @@ def _emit(x, rows, cols, col0, first_k_tile, first_tile, out_ptr, n_rows, n_cols
     if SCALE == 0 or SCALE == 1:  # E8M0 (floor or ceil)
         e = e8m0_exponent(amax, SCALE == 1, QM, QE, EMAX)
         encode = pow2(-e)
-        if FP8:
-            row_amax = tl.load(stat_ptr + rows) if EVEN else tl.load(stat_ptr + rows, mask=rows < n_rows, other=0.0)
-            e_ref = e8m0_exponent(tl.max(tl.reshape(row_amax, [NBM, BLR]), axis=1), SCALE == 1, QM, QE, EMAX)
-            lost = (amax > 0) & (e_ref[:, None] - e > DMAX) & ~bad
-            factor = tl.where(lost, 0.0, pow2(tl.maximum(e - e_ref[:, None] + SHIFT, -149)))
-            if first_k_tile:
-                e_row = tl.reshape(tl.broadcast_to(e_ref[:, None], [NBM, BLR]), [BM])
-                tl.store(scale_ptr + rows, pow2(e_row - SHIFT), mask=None if EVEN else rows < n_rows)
+        if FP8:  # reference exponent: the largest block of the block's (row, chunk), from the stats pass
+            bstart = col0 + tl.arange(0, NBK) * BLC
+            at = (bstart // CHUNK)[None, :] * n_rows + rows[:, None]  # [BM, NBK]: stat / scale of each block
+            in_op = (rows < n_rows)[:, None] & (bstart < n_cols)[None, :]
+            ref_amax = tl.load(stat_ptr + at, mask=in_op, other=0.0)
+            e_ref = e8m0_exponent(tl.max(tl.reshape(ref_amax, [NBM, BLR, NBK]), axis=1), SCALE == 1, QM, QE, EMAX)
+            lost = (amax > 0) & (e_ref - e > DMAX) & ~bad
+            factor = tl.where(lost, 0.0, pow2(tl.maximum(e - e_ref + SHIFT, -149)))
+            e_rows = e_ref
+            if BLR > 1:
+                e_rows = tl.reshape(tl.broadcast_to(tl.reshape(e_ref, [NBM, 1, NBK]), [NBM, BLR, NBK]), [BM, NBK])
+            tl.store(scale_ptr + at, pow2(e_rows - SHIFT),  # written by each chunk's first block
+                     mask=in_op & ((bstart % CHUNK) == 0)[None, :])
         else:
             factor = pow2(e)
     else:  # UE4M3 block scale + FP32 tensor scale
@@ -128,7 +142,8 @@ def _emit(x, rows, cols, col0, first_k_tile, first_tile, out_ptr, n_rows, n_cols
         s_dec = tl.math.div_rn(1.0, s_enc)
         factor = ue4m3_block_scale(amax, s_enc, QMAX)
         decode = factor * s_dec
-        encode = tl.where(factor > 0, tl.math.div_rn(tl.full(decode.shape, 1.0, tl.float32), decode), 0.0)
+        encode = tl.where(factor > 0, tl.minimum(tl.math.div_rn(tl.full(decode.shape, 1.0, tl.float32), decode),
+                                                 3.4028234663852886e38), 0.0)  # capped as the reference
         if first_tile:
             tl.store(scale_ptr, s_dec)
     factor = tl.where(bad, float("nan"), factor)
@@ -188,7 +203,7 @@ def _operand_kernel(t_ptr, R, C, s_r, s_c, mu_ptr,
     x = load_tile(t_ptr, rows, cols, R, C, s_r, s_c, mu_ptr, HAS_MU, EVEN)
     first = (pid_r == 0) & (pid_c == 0)
     if A_ON:
-        _emit(x, rows, cols, pid_c * BC, pid_c == 0, first, a_out, a_rows, a_cols, a_stat, a_scale, a_seed, a_signs,
+        _emit(x, rows, cols, pid_c * BC, first, a_out, a_rows, a_cols, a_stat, a_scale, a_seed, a_signs,
               a_side, a_eb, a_flags, a_kp, BR, BC, A_BLR, A_BLC, A_GRID, A_QMAX, A_QM, A_QE, A_EMAX, A_SCALE, A_SR,
               A_H, A_HSCALE, A_SIGNS, A_FP8, A_SHIFT, A_DMAX, EVEN, INTERPRETED)
     if B_ON:
@@ -199,7 +214,7 @@ def _operand_kernel(t_ptr, R, C, s_r, s_c, mu_ptr,
                 xt = tl.where((cols[:, None] < C) & (rows[None, :] < R), xt - mu[:, None], 0.0)
         else:
             xt = tl.trans(x)
-        _emit(xt, cols, rows, pid_r * BR, pid_r == 0, first, b_out, b_rows, b_cols, b_stat, b_scale,
+        _emit(xt, cols, rows, pid_r * BR, first, b_out, b_rows, b_cols, b_stat, b_scale,
               b_seed, b_signs, b_side, b_eb, b_flags, b_kp, BC, BR, B_BLR, B_BLC, B_GRID, B_QMAX, B_QM, B_QE,
               B_EMAX, B_SCALE, B_SR, B_H, B_HSCALE, B_SIGNS, B_FP8, B_SHIFT, B_DMAX, EVEN, INTERPRETED)
 
@@ -288,19 +303,22 @@ def triton_operands(t: torch.Tensor, plans: tuple[OperandPlan | None, OperandPla
     (br, bc, warps, *reload), (sbr, sbc, swarps), consts, stat_flags = _launch_config(tuple(plans), tile)
     dims = ((R, C), (C, R))
     ops = [empty_operand(p, *d, dev) if p is not None else None for p, d in zip(plans, dims)]
-    even = R % br == 0 and C % bc == 0  # every tile inside t and inside both allocations: no masks
     # Pointers a launch does not use get a 1-element tensor, never t: under torch.compile a tensor passed in
     # several argument slots of a user Triton kernel may be copied once per slot.
     unused = torch.empty(1, dtype=torch.float32, device=dev)
     stats = []
-    for plan, (rows, k) in zip(plans, dims):  # per-row statistics cover the allocated (padded) rows
-        n = 0 if plan is None or plan.stat == 0 else (plan.shape(rows, k)[0] if plan.stat == 1 else 1)
+    lds = [0, 0]
+    for i, (plan, (rows, k)) in enumerate(zip(plans, dims)):  # per-(row, chunk): the allocated (padded) rows
+        n = 0
+        if plan is not None and plan.stat:
+            lds[i], k_alloc = plan.shape(rows, k)
+            n = lds[i] * (k_alloc // FP8_CHUNK) if plan.stat == 1 else 1
         stats.append(torch.zeros(n, dtype=torch.float32, device=dev) if n else unused)
     mu_t = mu.to(torch.float32) if mu is not None else unused
     signs_t = [s.to(device=dev, dtype=torch.float32) if s is not None else unused for s in signs]
     if any(p is not None and p.stat for p in plans):
         wrap_triton(_stats_kernel)[(triton.cdiv(R, sbr), triton.cdiv(C, sbc))](
-            t, R, C, s_r, s_c, mu_t, stats[0], signs_t[0], stats[1], signs_t[1],
+            t, R, C, s_r, s_c, mu_t, stats[0], signs_t[0], lds[0], stats[1], signs_t[1], lds[1],
             BR=sbr, BC=sbc, HAS_MU=mu is not None, EVEN=R % sbr == 0 and C % sbc == 0, num_warps=swarps,
             **stat_flags)
     args, cover = [], [0, 0]
@@ -314,6 +332,8 @@ def triton_operands(t: torch.Tensor, plans: tuple[OperandPlan | None, OperandPla
         data = op.data.view(torch.uint8) if fp8 else op.data  # FP8 written as bits (NaN = 0x7F)
         side, eb, flags = (op.side.view(torch.uint8), op.eb, op.flags) if fp8 else (unused, unused, unused)
         args += [data, r_alloc, k_alloc, stat, op.scale, seeds[i:], s, side, eb, flags, plan.k_padded(k)]
+    # every tile inside t and inside both allocations (not padded past t: FP8 pads k to whole chunks): no masks
+    even = R % br == 0 and C % bc == 0 and tuple(cover) == (R, C)
     wrap_triton(_operand_kernel)[(triton.cdiv(cover[0], br), triton.cdiv(cover[1], bc))](
         t, R, C, s_r, s_c, mu_t, *args, BR=br, BC=bc, HAS_MU=mu is not None, EVEN=even,
         INTERPRETED=dev.type == "cpu", RELOAD=bool(reload and reload[0]), num_warps=warps, **consts)

@@ -24,7 +24,7 @@ from hf_fp4.qtensor import NonFiniteError, QuantizedTensor
 from hf_fp4.scales import ScaleRule
 from hf_fp4.spec import NonFinite, QuantSpec, Rounding
 
-from .numerics import (block_any, block_max, e8m0_exponent, expand_blocks, grid_code, grid_constants, hadamard, pow2,
+from .numerics import (flush_subnormals, block_any, block_max, e8m0_exponent, expand_blocks, grid_code, grid_constants, hadamard, pow2,
                        round_grid, sr_uniforms, tensor_encode_scale, ue4m3_block_scale)
 
 SCALE_CODES = {ScaleRule.E8M0_FLOOR: 0, ScaleRule.E8M0_CEIL: 1, ScaleRule.UE4M3_FP32: 2, ScaleRule.FP32: 3}
@@ -45,7 +45,7 @@ def load_tile(x_ptr, rows, cols, M, K, stride_m, stride_k, mu_ptr, HAS_MU: tl.co
         if HAS_MU:
             mu = tl.load(mu_ptr + cols, mask=cols < K, other=0.0)
             x = tl.where(inside, x - mu[None, :], 0.0)
-    return x
+    return flush_subnormals(x)
 
 
 @triton.jit
@@ -78,7 +78,8 @@ def _quantize_kernel(x_ptr, codes_ptr, scales_ptr, stat_ptr, mu_ptr, signs_ptr, 
         s_b = ue4m3_block_scale(amax, s_enc, QMAX)
         stored = grid_code(s_b, -6, 3).to(tl.uint8)
         decode = s_b * tl.math.div_rn(1.0, s_enc)
-        encode = tl.where(s_b > 0, tl.math.div_rn(tl.full(decode.shape, 1.0, tl.float32), decode), 0.0)
+        encode = tl.where(s_b > 0, tl.minimum(tl.math.div_rn(tl.full(decode.shape, 1.0, tl.float32), decode),
+                                              3.4028234663852886e38), 0.0)  # capped as the reference
     else:  # FP32
         stored = tl.math.div_rn(amax, QMAX)
         encode = tl.where(stored > 0, tl.math.div_rn(tl.full(stored.shape, 1.0, tl.float32), stored), 0.0)

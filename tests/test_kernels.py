@@ -308,6 +308,38 @@ def test_fp8_gemm_is_exact_with_blocks_below_e4m3_range(name, out_dtype):
     assert_within_accumulation_error(gemm(oc, ob, (plan, plan), 48, 40, out_dtype), qc, qb, name)
 
 
+@pytest.mark.parametrize("name", ["mxfp4", "mxfp4_2d_up"])
+def test_fp8_reference_exponents_are_per_chunk_of_128(name):
+    """Blocks in different 128-column chunks of a row do not share a reference exponent: a row whose chunks
+    lie 20 binades apart (a token 2^20 larger than its neighbours, seen along T) is folded without a lost
+    block, each chunk with its own scale, and the GEMM stays exact.  Within one chunk the spread is still
+    caught (flagged and recomputed)."""
+    from hf_fp4.kernels.operand import triton_operands
+    from hf_fp4.operand_plan import FP8_CHUNK
+
+    g = torch.Generator().manual_seed(5)
+    a, b = torch.randn(32, 384, generator=g), torch.randn(48, 384, generator=g)
+    spec = QuantSpec.preset(name)
+    rows = [7] if spec.block[0] == 1 else list(range(spec.block[0]))  # 2D: the rows of one block
+    a[:, 128:256] *= 2.0**20      # chunk 1 of every row of a: 20 binades above chunks 0 and 2
+    b[rows, 256:288] *= 2.0**-20  # one block of b, 20 binades below the rest of its chunk: lost
+    a, b = a.to(DEV), b.to(DEV)
+    plan = plan_for(spec, "fp8", 0, False)
+    seeds = torch.tensor([1, 2], device=DEV)
+    oa, _ = triton_operands(a, (plan, None), seeds)
+    ob, _ = triton_operands(b, (plan, None), seeds)
+    assert oa.scale.shape == (32, 384 // FP8_CHUNK) and oa.scale.stride() == (1, 32)  # cuBLAS's layout
+    assert not oa.flags.any()  # no block lost: the chunks have their own reference exponents
+    apart = torch.log2(oa.scale[:, 1] / oa.scale[:, 0]).cpu()
+    assert torch.all((apart >= 19) & (apart <= 21))  # the chunks' own exponents (their maxima differ a little)
+    assert ob.flags[:-1].nonzero().flatten().tolist() == rows and ob.flags[-1] == 1
+    qa, qb = reference_operand(a, plan, 0, None).data, reference_operand(b, plan, 0, None).data
+    for op, q, n in ((oa, qa, 32), (ob, qb, 48)):
+        assert torch.equal(operand_values(op, plan, n, 384).cpu(), q.cpu())
+    for out_dtype in (torch.float32, torch.bfloat16):
+        assert_within_accumulation_error(gemm(oa, ob, (plan, plan), 32, 48, out_dtype), qa, qb, name)
+
+
 @pytest.mark.parametrize("pair", [("nvfp4", "nvfp4_2d"), ("ufp4", "ufp4"), ("mxfp8", "mxfp8"), ("int4", "int4"),
                                   ("mxfp4", "nvfp4")])
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
