@@ -19,6 +19,7 @@ row and FP8_CHUNK (128) columns:
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 import triton
@@ -121,13 +122,38 @@ def scaled_mm(a, b, m: int, n: int, out_dtype: torch.dtype) -> torch.Tensor:
     scaling: each chunk's FP32 partial product times its two power-of-two scales; CPU: the same in FP32)."""
     if a.data.shape[1] != b.data.shape[1]:
         raise ValueError(f"operand widths differ: {a.data.shape[1]} vs {b.data.shape[1]}")
-    if not a.data.is_cuda:  # the interpreter's path (tests): FP8 values are exact in FP32
-        def values(op):
-            return op.data.float() * op.scale.repeat_interleave(FP8_CHUNK, 1)
+    def values(op, dtype):  # E4M3 value x power of two: exact in FP32 and in BF16
+        return (op.data.float() * op.scale.repeat_interleave(FP8_CHUNK, 1)).to(dtype)
 
-        return (values(a) @ values(b).t())[:m, :n].to(out_dtype)
+    if not a.data.is_cuda:  # the interpreter's path (tests)
+        return (values(a, torch.float32) @ values(b, torch.float32).t())[:m, :n].to(out_dtype)
+    if not blockwise_fp8(a.data.device.index or 0):  # exact too, at BF16 speed
+        return torch.mm(values(a, torch.bfloat16)[:m], values(b, torch.bfloat16)[:n].t(),
+                        out_dtype=torch.float32).to(out_dtype)
     out = torch._scaled_mm(a.data, b.data.t(), scale_a=a.scale, scale_b=b.scale.t(), out_dtype=out_dtype)
     return out[:m, :n]
+
+
+@functools.lru_cache(maxsize=None)
+def blockwise_fp8(device_index: int) -> bool:
+    """Whether torch._scaled_mm takes 1 x FP8_CHUNK block scales on this GPU (cuBLAS >= 12.9 on Hopper);
+    asked once per device, with a small product.  Without it the FP8 GEMMs run exactly in BF16, with a
+    warning."""
+    dev = torch.device("cuda", device_index)
+    k = 2 * FP8_CHUNK  # two chunks: not mistaken for row-wise scales
+    a = torch.ones(16, k, device=dev).to(torch.float8_e4m3fn)
+    scale = torch.ones(k // FP8_CHUNK, 16, device=dev).t()  # [16, 2], column-major as cuBLAS wants it
+    try:
+        out = torch._scaled_mm(a, a.t(), scale_a=scale, scale_b=scale.t(), out_dtype=torch.float32)
+        if bool((out == k).all()):
+            return True
+    except (RuntimeError, ValueError, NotImplementedError) as err:
+        warnings.warn(f"hf_fp4: torch._scaled_mm has no 1x{FP8_CHUNK} block scaling here ({err}); the MX "
+                      "family's FP8 GEMMs run exactly in BF16 instead (slower)")
+        return False
+    warnings.warn("hf_fp4: torch._scaled_mm's 1x128 block scaling gave a wrong product here; the MX family's "
+                  "FP8 GEMMs run exactly in BF16 instead (slower)")
+    return False
 
 
 def fp8_gemm(a, b, m: int, n: int, out_dtype: torch.dtype, a_blc: int, a_shift: int, b_blc: int,

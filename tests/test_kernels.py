@@ -340,6 +340,31 @@ def test_fp8_reference_exponents_are_per_chunk_of_128(name):
         assert_within_accumulation_error(gemm(oa, ob, (plan, plan), 32, 48, out_dtype), qa, qb, name)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_on_hopper_the_fp8_gemm_uses_block_scales_and_its_bf16_fallback_is_exact(monkeypatch):
+    """The H200's torch._scaled_mm takes 1x128 block scales (else the MX family would silently run its GEMMs
+    in BF16); the BF16 fallback gives the same exact product, on operands spread across chunks."""
+    from hf_fp4.kernels import gemm as gemm_kernels
+    from hf_fp4.kernels.operand import triton_operands
+
+    assert gemm_kernels.blockwise_fp8(torch.cuda.current_device())
+    g = torch.Generator().manual_seed(11)
+    a, b = torch.randn(256, 1024, generator=g), torch.randn(384, 1024, generator=g)
+    a[:, 128:256] *= 2.0**20
+    b[:, 512:640] *= 2.0**-12
+    a, b = a.to(DEV), b.to(DEV)
+    plan = plan_for(QuantSpec.preset("mxfp4"), "fp8", 0, False)
+    seeds = torch.tensor([1, 2], device=DEV)
+    (oa, _), (ob, _) = triton_operands(a, (plan, None), seeds), triton_operands(b, (plan, None), seeds)
+    qa, qb = reference_operand(a, plan, 0, None).data, reference_operand(b, plan, 0, None).data
+    for blockwise in (True, False):
+        monkeypatch.setattr(gemm_kernels, "blockwise_fp8", lambda index, value=blockwise: value)
+        for out_dtype in (torch.float32, torch.bfloat16):
+            assert_within_accumulation_error(gemm(oa, ob, (plan, plan), 256, 384, out_dtype), qa, qb,
+                                             f"blockwise={blockwise}")
+
+
 @pytest.mark.parametrize("pair", [("nvfp4", "nvfp4_2d"), ("ufp4", "ufp4"), ("mxfp8", "mxfp8"), ("int4", "int4"),
                                   ("mxfp4", "nvfp4")])
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
