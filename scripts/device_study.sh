@@ -10,11 +10,32 @@
 # Device, carry [".carry"]:
 #   STUDY=configs/study/fp4-recipes-large.yaml PARALLEL=3 WAIT=500 bash scripts/device_study.sh start
 #   WAIT=580 bash scripts/device_study.sh watch          (next calls, each within the machine's idle window)
+# Back here: bash scripts/device_study.sh unpack <files_at>/study.tgz configs/study/<name>.yaml
+#   (finished runs -> benchmarks/study-<name>/runs/, unfinished ones -> interrupted/, logs without progress bars,
+#    then table.md, results.json and the plots)
 set -uo pipefail
 what=${1:-watch}
 ROOT=${STUDY_ROOT:-/root/hf_fp4_study}
 OUT=${OUT:-/tmp/out}
 export HF_FP4_CACHE=$ROOT/cache PYTHONPATH=$ROOT/site PYTHONUNBUFFERED=1
+if [ "$what" = unpack ]; then
+  tgz=${2:?study.tgz}; study=${3:?configs/study/<name>.yaml}
+  name=$(python -c "import yaml; print(yaml.safe_load(open('$study'))['name'])")
+  dest=benchmarks/study-$name tmp=$(mktemp -d)
+  tar xzf "$tgz" -C "$tmp"
+  for run in "$tmp"/runs/*/; do
+    r=$(basename "$run")
+    if [ -f "$run/result.json" ]; then mkdir -p "$dest/runs"; rm -rf "$dest/runs/$r"; cp -r "$run" "$dest/runs/$r"
+    else mkdir -p "$dest/interrupted"; rm -rf "$dest/interrupted/$r"; cp -r "$run" "$dest/interrupted/$r"; fi
+  done
+  mkdir -p "$dest/logs"
+  for log in "$tmp"/logs/*.log; do  # every 250th progress line and the last
+    tr '\r' '\n' < "$log" | awk '/^train: /{last=$0; if (++i % 250 == 0) print; next} {print} END{print last}' \
+      > "$dest/logs/$(basename "$log")"
+  done
+  rm -rf "$tmp"
+  exec python -m hf_fp4 study "$study" --summary-only
+fi
 mkdir -p "$OUT" "$ROOT"
 if [ "$what" = start ]; then
   STUDY=${STUDY:?STUDY=configs/study/<name>.yaml}
