@@ -193,7 +193,10 @@ def _run_result(run: StudyRun) -> dict | None:
             "tokens_trained": tokens, "unique_tokens_available": available,
             "epochs": round(tokens / available, 4) if tokens and available else None,
             "final_train_loss": train[-1]["loss"] if train else None,
-            "final_val_loss": val[-1][1] if val else None, "val_curve": val}
+            "final_val_loss": val[-1][1] if val else None, "val_curve": val,
+            # throughput as the run saw it (runs sharing a GPU slow each other: compare within one study)
+            "median_tokens_per_s": round(statistics.median(speeds)) if (speeds := [
+                r["tokens_per_s"] for r in records if r.get("tokens_per_s")]) else None}
 
 
 def _by_label(results: list[dict]) -> dict[str, list[dict]]:

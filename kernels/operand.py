@@ -5,8 +5,9 @@ along T; W: fprop along K and dgrad along N).  `triton_operands(t, plans, ...)` 
 of each orientation in two passes over t:
 
 1. the stats pass reads t once and, per orientation, reduces what its scale rule needs: the tensor
-   amax (two-level UE4M3 + FP32 scales) or the amax of every row of the operand (E8M0 scales folded
-   into FP8, below); rotated first when the orientation has a Hadamard transform;
+   amax (two-level UE4M3 + FP32 scales) or the amax of every row of the operand per CHUNK (128)
+   contraction columns (E8M0 scales folded into FP8, below); rotated first when the orientation has a
+   Hadamard transform;
 2. the operand pass reads t once more and writes both operands: "A" = the rows of t (blocks along
    C) and "B" = the rows of t^T (blocks along R), through a register transpose of the same tile.
 
@@ -14,9 +15,10 @@ Operand forms (bit-exact with the reference values, `hf_fp4.quantize` then `dequ
 
 * `bf16`: v * s_b (UE4M3 block scale: 8 significant bits at most) or v * 2^e (E8M0), exact in BF16;
   the FP32 tensor decode scale goes to the GEMM;
-* `fp8`: E8M0 scales on a 4-bit grid folded into E4M3 against a reference exponent per operand row,
-  e_ref = the row's largest block exponent: v * 2^(e_b - e_ref + SHIFT), row scale 2^(e_ref - SHIFT)
-  (SHIFT = floor(log2(448 / grid max))).  Exact while e_ref - e_b <= DMAX (E4M3's subnormals run
+* `fp8`: E8M0 scales on a 4-bit grid folded into E4M3 against a reference exponent per operand row and
+  chunk of 128 contraction columns, e_ref = the chunk's largest block exponent in that row (2D blocks:
+  in the block's rows): v * 2^(e_b - e_ref + SHIFT), GEMM scale 2^(e_ref - SHIFT) per (row, chunk), as
+  cuBLAS's 1x128 block scaling takes it (SHIFT = floor(log2(448 / grid max))).  Exact while e_ref - e_b <= DMAX (E4M3's subnormals run
   out below).  A block further down is "lost": its FP8 value is 0, its exact value v * 2^SHIFT goes
   to the `side` buffer with its exponent in `eb` (-128 elsewhere), and its row is flagged.  The GEMM
   front end (gemm.py) recomputes every output tile that touches a flagged row exactly -- decided on
