@@ -30,5 +30,6 @@ __all__ += [
 
 from .compile import compile_model  # noqa: E402
 from .diagnostics import collect_diagnostics  # noqa: E402
+from .attention import AttentionRecipe, fp4_attention  # noqa: E402
 
-__all__ += ["collect_diagnostics", "compile_model"]
+__all__ += ["collect_diagnostics", "compile_model", "AttentionRecipe", "fp4_attention"]

@@ -21,6 +21,7 @@ from transformers.quantizers.auto import (AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO
                                           register_quantization_config, register_quantizer)
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
+from .attention import AttentionRecipe, enable as enable_attention, register as register_attention
 from .convert import convert_model, fp4_modules, lora_svd_split
 from .packing import expect_packed_weight, unpack_weight
 from .recipe import PRESET_NAMES, Recipe, preset
@@ -36,10 +37,14 @@ class FP4TrainConfig(QuantizationConfigMixin):
                    grid="e1m2", mean_bias_removal=True, lora_svd_rank=16, seed=0,
                    rules={"keep_last_blocks": 2, "overrides": {"*q_proj": "mxfp8"}})
     FP4TrainConfig(recipe_dict)                     a full recipe (as written to config.json)
+    FP4TrainConfig("nvfp4", attention="nvfp4")      + FP4 attention (hf_fp4.attention): a format for Q, K, V
+                                                    and dS, or {"q": ..., "k": ..., "v": ..., "ds": ...}
     """
 
     def __init__(self, recipe: "str | dict | Recipe" = "ufp4", **options: Any):
         self.packed = bool(options.pop("packed", False))  # weights stored as packed FP4 (scripts/export.py)
+        attention = options.pop("attention", None)
+        self.attention = AttentionRecipe.build(attention).to_dict() if attention not in (None, "none") else None
         quant_method = options.pop("quant_method", QUANT_METHOD)
         if quant_method != QUANT_METHOD:
             raise ValueError(f"FP4TrainConfig is quant_method {QUANT_METHOD!r}, got {quant_method!r}")
@@ -72,11 +77,14 @@ class FP4TrainConfig(QuantizationConfigMixin):
         out = {"quant_method": self.quant_method, "recipe": self.recipe}
         if self.packed:
             out["packed"] = True
+        if self.attention:
+            out["attention"] = self.attention
         return out
 
     @classmethod
     def from_dict(cls, config_dict, return_unused_kwargs=False, **kwargs):
-        config = cls(config_dict["recipe"], packed=config_dict.get("packed", False))
+        config = cls(config_dict["recipe"], packed=config_dict.get("packed", False),
+                     attention=config_dict.get("attention"))
         return (config, kwargs) if return_unused_kwargs else config
 
 
@@ -92,6 +100,8 @@ class FP4HfQuantizer(HfQuantizer):
 
     def _process_model_before_weight_loading(self, model, **kwargs):
         convert_model(model, self.quantization_config.get_recipe())
+        if self.quantization_config.attention:
+            enable_attention(model, self.quantization_config.attention)
         if self.quantization_config.packed:
             for module in fp4_modules(model).values():
                 expect_packed_weight(module)
@@ -156,4 +166,5 @@ def register() -> None:
         register_quantization_config(QUANT_METHOD)(FP4TrainConfig)
     if QUANT_METHOD not in AUTO_QUANTIZER_MAPPING:
         register_quantizer(QUANT_METHOD)(FP4HfQuantizer)
+    register_attention()  # attn_implementation="hf_fp4"
     route_from_config()

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import yaml
 
+from .attention import AttentionRecipe
 from .recipe import GEMMS, PRESET_NAMES, preset
 from .compile import BACKENDS as COMPILE_BACKENDS, MODES
 from .data import BUILTIN_DATASETS
@@ -89,7 +90,9 @@ class TrainConfig:
         if "model_type" not in self.model:
             raise ValueError("model needs a model_type (e.g. llama, qwen2)")
         self._validate_model()
-        preset(self.recipe, seed=self.seed, **self.recipe_options)  # unknown or ill-typed options fail here
+        options = dict(self.recipe_options)
+        AttentionRecipe.build(options.pop("attention", None))  # FP4TrainConfig's attention=..., checked here
+        preset(self.recipe, seed=self.seed, **options)  # unknown or ill-typed options fail here
         self._validate_precision_schedule()
         self._validate_optimizer()
         if not isinstance(self.dataset, dict) and self.dataset not in BUILTIN_DATASETS:

@@ -47,6 +47,8 @@ CASES = [
      lambda tmp: cfg(recipe="nvfp4", recipe_options={"lora_rank": 8})),
     ("ill-typed recipe option", ValueError, "recipe option lora_svd_rank must be int, got str",
      lambda tmp: cfg(recipe="nvfp4", recipe_options={"lora_svd_rank": "8"})),
+    ("unknown attention format", ValueError, "attention.ds: unknown format 'nvfp5'; valid: none, nvfp4",
+     lambda tmp: cfg(recipe="nvfp4", recipe_options={"attention": {"ds": "nvfp5"}})),
     ("unknown quantization format value", ValueError, "unknown element grid 'e2m2'; valid grids: e2m1",
      lambda tmp: hf_fp4.QuantSpec(grid="e2m2")),
     ("unknown model type", ValueError, "model_type='lama' is not a transformers model type \\(did you mean 'llama'",

@@ -1,0 +1,137 @@
+"""FP4 attention (hf_fp4.attention): the reference against products built independently from the spec in
+float64, SDPA when nothing is quantized, masks and GQA, and attn_implementation="hf_fp4" in a model."""
+import pytest
+import torch
+from tiny import tiny_config
+
+import hf_fp4
+from hf_fp4 import QuantSpec, quantize
+from hf_fp4.attention import AttentionRecipe, fp4_attention
+
+B, H, HKV, T, D = 2, 4, 2, 24, 32
+
+
+def qkv(seed=0, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(B, h, T, D, generator=g) * s).to(dtype).requires_grad_()
+            for h, s in ((H, 1.0), (HKV, 1.0), (HKV, 2.0))]
+
+
+def q64(x, spec, along_last=True):
+    """x quantized by hf_fp4.quantize with blocks along the last dim (or dim -2), as float64."""
+    y = x if along_last else x.transpose(-1, -2)
+    out = quantize(y.float().reshape(-1, y.shape[-1]), spec).dequantize(torch.float32).reshape(y.shape).double()
+    return out if along_last else out.transpose(-1, -2)
+
+
+def expected(q, k, v, d_out, keep, spec: QuantSpec):
+    """The spec in float64: O, dQ, dK, dV of quantized Q, K, V (blocks along head_dim), BF16 P, and dS
+    quantized along keys for dQ and along queries for dK."""
+    k, v = k.repeat_interleave(H // HKV, 1), v.repeat_interleave(H // HKV, 1)
+    qh, kh, vh = q64(q, spec), q64(k, spec), q64(v, spec)
+    scale = D ** -0.5
+    s = (qh @ kh.transpose(-1, -2)) * scale
+    s = s.masked_fill(~keep, float("-inf"))
+    p = torch.softmax(s, -1)
+    pb = p.to(torch.bfloat16).double()
+    out = pb @ vh
+    o_stored = out.to(torch.bfloat16).double()
+    do = d_out.double()
+    dv = pb.transpose(-1, -2) @ do
+    ds = p * (do @ vh.transpose(-1, -2) - (do * o_stored).sum(-1, keepdim=True))
+    dq = q64(ds, spec) @ kh * scale
+    dk = q64(ds, spec, along_last=False).transpose(-1, -2) @ qh * scale
+    fold = lambda t: t.reshape(B, HKV, H // HKV, T, D).sum(2)  # noqa: E731  (GQA: the group's gradients add)
+    return out, dq, fold(dk), fold(dv), ds
+
+
+def close(got, want, rel=2e-3):
+    err = (got.double() - want).abs().max().item()
+    assert err <= rel * want.abs().max().item(), f"max error {err:.3g} vs scale {want.abs().max().item():.3g}"
+
+
+@pytest.mark.parametrize("name", ["nvfp4", "mxfp4"])
+def test_forward_and_backward_follow_the_spec(name):
+    q, k, v = qkv(1)
+    keep = torch.ones(T, T, dtype=torch.bool).tril()
+    d_out = torch.randn(B, H, T, D, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    out = fp4_attention(q, k, v, keep, recipe=name)
+    out.backward(d_out)
+    want_o, want_dq, want_dk, want_dv, ds = expected(q, k, v, d_out, keep, QuantSpec.preset(name))
+    close(out, want_o, rel=1e-2)  # out is BF16
+    close(q.grad, want_dq, rel=1e-2)
+    close(k.grad, want_dk, rel=1e-2)
+    close(v.grad, want_dv, rel=1e-2)
+    # the check can fail: dQ from the unquantized dS is measurably different
+    kh = q64(k.repeat_interleave(H // HKV, 1), QuantSpec.preset(name))
+    with pytest.raises(AssertionError):
+        close(q.grad, ds @ kh * D ** -0.5, rel=1e-2)
+
+
+def test_with_nothing_quantized_it_is_sdpa():
+    q, k, v = qkv(3, torch.float32)
+    out = fp4_attention(q, k, v, torch.ones(T, T, dtype=torch.bool).tril(), recipe="none")
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
+                                                           is_causal=True)
+    assert (out - ref).abs().max() < 2e-2 * ref.abs().max()  # P rounded to BF16 for P V
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    want = torch.autograd.grad(ref.sum(), (q, k, v))
+    for g, w in zip(grads, want):
+        assert (g - w).abs().max() < 2e-2 * w.abs().max()
+
+
+def test_padding_masks_gqa_and_a_fully_masked_row():
+    q, k, v = qkv(4)
+    keep = torch.ones(B, 1, T, T, dtype=torch.bool).tril()
+    keep[1, :, :, :5] = False   # sample 1: the first five keys are padding
+    keep[1, :, 3] = False       # ... and query 3 sees nothing: its output is 0, its gradients finite
+    out = fp4_attention(q, k, v, keep, recipe="nvfp4")
+    out.float().sum().backward()
+    assert torch.all(out[1, :, 3] == 0) and all(torch.isfinite(t.grad).all() for t in (q, k, v))
+    # a masked key changes nothing: perturbing sample 1's padded keys leaves its output as it was (MXFP4: per-
+    # block scales along head_dim; NVFP4's tensor scale would see the padded keys' amax, as in TransformerEngine)
+    ref = fp4_attention(q.detach(), k.detach(), v.detach(), keep, recipe="mxfp4")
+    k2 = k.detach().clone()
+    k2[1, :, :5] += 100
+    same = fp4_attention(q.detach(), k2, v.detach(), keep, recipe="mxfp4")
+    assert torch.equal(same[1], ref[1]) and not torch.equal(same[1, :, :, :], ref[0])
+
+
+def test_recipe_input_is_checked():
+    with pytest.raises(ValueError, match="valid: q, k, v, ds"):
+        AttentionRecipe.build({"q": "nvfp4", "dS": "nvfp4"})
+    with pytest.raises(ValueError, match="unknown format 'nvfp5'; valid: none, "):
+        AttentionRecipe.build({"q": "nvfp5"})
+    r = AttentionRecipe.build({"q": "nvfp4", "ds": "none"})
+    assert r.q == QuantSpec.preset("nvfp4") and r.k is None and r.ds is None
+    assert AttentionRecipe.build(r.to_dict()) == r
+
+
+def test_a_model_runs_fp4_attention_and_saves_it(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 256, (2, 20))
+    # one config each: switching the attention, like set_attn_implementation, writes the model's config
+    base = AutoModelForCausalLM.from_config(tiny_config(), quantization_config=hf_fp4.FP4TrainConfig("bf16"))
+    fp4 = AutoModelForCausalLM.from_config(tiny_config(), quantization_config=hf_fp4.FP4TrainConfig(
+        "bf16", attention="nvfp4"))
+    plain = AutoModelForCausalLM.from_config(tiny_config(), quantization_config=hf_fp4.FP4TrainConfig("bf16", attention={
+        "q": "none", "k": "none", "v": "none", "ds": "none"}))
+    fp4.load_state_dict(base.state_dict())
+    plain.load_state_dict(base.state_dict())
+    assert fp4.config._attn_implementation == "hf_fp4" and base.config._attn_implementation != "hf_fp4"
+    want = base(ids).logits
+    assert (plain(ids).logits - want).abs().max() < 2e-2 * want.abs().max()  # only P in BF16
+    got = fp4(ids).logits
+    assert not torch.allclose(got, want, atol=1e-3)  # Q, K, V quantized: a different product
+    mask = torch.ones(2, 20, dtype=torch.long)
+    mask[0, :4] = 0  # left padding
+    loss = fp4(ids, attention_mask=mask, labels=ids).loss
+    loss.backward()
+    assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in fp4.parameters() if p.grad is not None)
+    fp4.save_pretrained(tmp_path)
+    again = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert again.config._attn_implementation == "hf_fp4"
+    assert again.config.quantization_config.attention["q"] == QuantSpec.preset("nvfp4").to_dict()
+    assert torch.equal(again(ids).logits, fp4(ids).logits)
