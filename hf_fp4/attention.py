@@ -158,6 +158,11 @@ def fp4_attention(q, k, v, keep=None, scale: float | None = None, recipe: "Atten
     return FP4AttentionFunction.apply(q, k, v, keep, float(scale), AttentionRecipe.build(recipe), int(seed))
 
 
+# The reference runs eagerly inside a compiled block (one graph break per attention call): traced, its
+# quantizers' non-finite checks would break the graph several times over.
+_fp4_attention_outside_compile = torch.compiler.disable(fp4_attention)
+
+
 def _keep_mask(attention_mask, q_len: int, kv_len: int, causal: bool, device) -> torch.Tensor | None:
     """Transformers' SDPA-style mask (bool True = attend, or additive float) as a boolean keep mask."""
     if attention_mask is not None:
@@ -192,7 +197,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         seed = getattr(module, "_hf_fp4_attention_calls", 0)
         module._hf_fp4_attention_calls = seed + 4
     keep = _keep_mask(attention_mask, q_len, kv_len, causal, query.device)
-    out = fp4_attention(query, key, value, keep, scaling, recipe, seed)
+    out = _fp4_attention_outside_compile(query, key, value, keep, scaling, recipe, seed)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -22,20 +22,28 @@ CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 BACKENDS = ("inductor", "aot_eager", "eager")
 
 
-def resolve_mode(mode: str, backend: str = "inductor") -> str:
-    """"auto": CUDA graphs (reduce-overhead) where there is a GPU and inductor compiles, else "default"."""
+def graph_safe(model: nn.Module | None) -> bool:
+    """False for a model with FP4 attention (hf_fp4.attention): its reference path checks for non-finite
+    values on the host, which a CUDA graph cannot capture, and runs outside the compiled graph."""
+    return getattr(getattr(model, "config", None), "_attn_implementation", None) != "hf_fp4"
+
+
+def resolve_mode(mode: str, backend: str = "inductor", model: nn.Module | None = None) -> str:
+    """"auto": CUDA graphs (reduce-overhead) where there is a GPU, inductor compiles and the model allows it
+    (graph_safe), else "default"."""
     if mode not in MODES:
         raise ValueError(f"compile mode {mode!r}: valid modes are {', '.join(MODES)}")
     if backend not in BACKENDS:
         raise ValueError(f"compile backend {backend!r}: valid backends are {', '.join(BACKENDS)}")
     if mode == "auto":
-        return "reduce-overhead" if torch.cuda.is_available() and backend == "inductor" else "default"
+        graphs = torch.cuda.is_available() and backend == "inductor" and graph_safe(model)
+        return "reduce-overhead" if graphs else "default"
     return mode
 
 
-def uses_cuda_graphs(mode: str, backend: str = "inductor") -> bool:
+def uses_cuda_graphs(mode: str, backend: str = "inductor", model: nn.Module | None = None) -> bool:
     """Whether compile_model(model, mode, backend) runs the blocks under CUDA graphs."""
-    return backend == "inductor" and resolve_mode(mode, backend) in CUDA_GRAPH_MODES
+    return backend == "inductor" and resolve_mode(mode, backend, model) in CUDA_GRAPH_MODES
 
 
 def compile_model(model: nn.Module, mode: str = "auto", backend: str = "inductor") -> nn.Module:
@@ -46,8 +54,8 @@ def compile_model(model: nn.Module, mode: str = "auto", backend: str = "inductor
     compiled whole.  Under a CUDA-graph mode call `torch.compiler.cudagraph_mark_step_begin()` before each
     training or evaluation forward (the trainer does).
     """
-    graphs = uses_cuda_graphs(mode, backend)
-    mode = resolve_mode(mode, backend)
+    graphs = uses_cuda_graphs(mode, backend, model)
+    mode = resolve_mode(mode, backend, model)
     for layer in fp4_modules(model).values():
         layer.cuda_graphs = graphs
     names = set(getattr(model, "_no_split_modules", None) or ())

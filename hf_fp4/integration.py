@@ -21,7 +21,7 @@ from transformers.quantizers.auto import (AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO
                                           register_quantization_config, register_quantizer)
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from .attention import AttentionRecipe, enable as enable_attention, register as register_attention
+from .attention import enable as enable_attention, register as register_attention
 from .convert import convert_model, fp4_modules, lora_svd_split
 from .packing import expect_packed_weight, unpack_weight
 from .recipe import PRESET_NAMES, Recipe, preset
@@ -43,8 +43,6 @@ class FP4TrainConfig(QuantizationConfigMixin):
 
     def __init__(self, recipe: "str | dict | Recipe" = "ufp4", **options: Any):
         self.packed = bool(options.pop("packed", False))  # weights stored as packed FP4 (scripts/export.py)
-        attention = options.pop("attention", None)
-        self.attention = AttentionRecipe.build(attention).to_dict() if attention not in (None, "none") else None
         quant_method = options.pop("quant_method", QUANT_METHOD)
         if quant_method != QUANT_METHOD:
             raise ValueError(f"FP4TrainConfig is quant_method {QUANT_METHOD!r}, got {quant_method!r}")
@@ -77,14 +75,11 @@ class FP4TrainConfig(QuantizationConfigMixin):
         out = {"quant_method": self.quant_method, "recipe": self.recipe}
         if self.packed:
             out["packed"] = True
-        if self.attention:
-            out["attention"] = self.attention
         return out
 
     @classmethod
     def from_dict(cls, config_dict, return_unused_kwargs=False, **kwargs):
-        config = cls(config_dict["recipe"], packed=config_dict.get("packed", False),
-                     attention=config_dict.get("attention"))
+        config = cls(config_dict["recipe"], packed=config_dict.get("packed", False))
         return (config, kwargs) if return_unused_kwargs else config
 
 
@@ -99,9 +94,10 @@ class FP4HfQuantizer(HfQuantizer):
         super().__init__(quantization_config, **kwargs)
 
     def _process_model_before_weight_loading(self, model, **kwargs):
-        convert_model(model, self.quantization_config.get_recipe())
-        if self.quantization_config.attention:
-            enable_attention(model, self.quantization_config.attention)
+        recipe = self.quantization_config.get_recipe()
+        convert_model(model, recipe)
+        if recipe.attention is not None:
+            enable_attention(model, recipe.attention)
         if self.quantization_config.packed:
             for module in fp4_modules(model).values():
                 expect_packed_weight(module)

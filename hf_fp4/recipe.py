@@ -23,6 +23,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from .attention import AttentionRecipe
 from .hadamard import HADAMARD_SIZES
 from .spec import QuantSpec, as_spec
 
@@ -239,14 +240,22 @@ def block_index(name: str) -> int | None:
 
 @dataclass(frozen=True)
 class Recipe:
-    """A named training recipe: the default LinearRecipe, layer rules and the seed for SR / RHT."""
+    """A named training recipe: the default LinearRecipe, layer rules, the seed for SR / RHT, the attention's
+    formats (hf_fp4.attention; None: the model's own attention) and the optimizer the recipe trains with
+    (None: AdamW; the trainer's `optimizer: auto` follows it)."""
 
     name: str = "custom"
     linear: LinearRecipe = LinearRecipe()
     rules: LayerRules = LayerRules()
     seed: int = 0
+    attention: Any = None
+    optimizer: str | None = None
 
     def __post_init__(self):
+        if self.attention is not None and not isinstance(self.attention, AttentionRecipe):
+            object.__setattr__(self, "attention", AttentionRecipe.build(self.attention))
+        if self.attention is not None and not self.attention.quantized:
+            object.__setattr__(self, "attention", None)
         if isinstance(self.linear, dict):
             object.__setattr__(self, "linear", LinearRecipe.from_dict(self.linear))
         if isinstance(self.rules, dict):
@@ -255,7 +264,8 @@ class Recipe:
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "linear": self.linear.to_dict(), "rules": self.rules.to_dict(),
-                "seed": self.seed}
+                "seed": self.seed, "attention": self.attention.to_dict() if self.attention else None,
+                "optimizer": self.optimizer}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Recipe":
@@ -308,6 +318,9 @@ LINEAR_PRESETS = {
     "ufp4": lambda: _uniform("ufp4", HadamardSpec("random_fixed", 16), sr_grads=True),
     "tib": lambda: _uniform("mxfp4_2d_up", sr_grads=True),
     "mxfp8": lambda: _uniform("mxfp8"),
+    # Full-Stack FP4: NVFP4 linears with LoRA-SVD (rank 16: the paper does not state it; RESEARCH.md infers
+    # 8-64), plus FP4 attention and FP4 AdamW state (RECIPE_ATTENTION, RECIPE_OPTIMIZER)
+    "fullstack": lambda: _nvfp4().with_options(lora_svd_rank=16),
 }
 
 def linear_recipe(value: "str | dict | LinearRecipe") -> LinearRecipe:
@@ -321,15 +334,22 @@ def linear_recipe(value: "str | dict | LinearRecipe") -> LinearRecipe:
 
 
 RECIPE_RULES = {"tib": LayerRules(overrides=(("*q_proj", "mxfp8"), ("*k_proj", "mxfp8")))}
+#: Attention formats of a preset (Q, K, V, dS; dS rounds to nearest: stochastic rounding there would need a
+#: per-step seed the compiled step cannot take from the host) and its optimizer.
+RECIPE_ATTENTION = {"fullstack": "nvfp4"}
+RECIPE_OPTIMIZER = {"fullstack": "fp4_adamw"}
 
 
 def preset(name: str, **options) -> Recipe:
-    """A preset Recipe; `options` are LinearRecipe.with_options switches plus `seed`, `rules`."""
+    """A preset Recipe; `options` are LinearRecipe.with_options switches plus `seed`, `rules` and `attention`
+    (a format for Q, K, V and dS, a mapping of them, or "none")."""
     seed = options.pop("seed", 0)
     rules = options.pop("rules", None)
+    attention = options.pop("attention", RECIPE_ATTENTION.get(name))
     unknown = sorted(set(options) - set(RECIPE_OPTIONS))
     if unknown:
-        raise ValueError(f"unknown recipe option(s) {unknown}; valid: seed, rules, {', '.join(RECIPE_OPTIONS)}")
+        raise ValueError(f"unknown recipe option(s) {unknown}; valid: seed, rules, attention, "
+                         f"{', '.join(RECIPE_OPTIONS)}")
     linear = linear_recipe(name)
     if options:
         linear = linear.with_options(**options)
@@ -338,7 +358,9 @@ def preset(name: str, **options) -> Recipe:
     elif isinstance(rules, dict):
         _check_keys(LayerRules, rules)
         rules = LayerRules(**{**RECIPE_RULES.get(name, LayerRules()).to_dict(), **rules})
-    return Recipe(name=name, linear=linear, rules=rules, seed=seed)
+    return Recipe(name=name, linear=linear, rules=rules, seed=seed,
+                  attention=AttentionRecipe.build(attention) if attention is not None else None,
+                  optimizer=RECIPE_OPTIMIZER.get(name))
 
 
 PRESET_NAMES = tuple(n for n in LINEAR_PRESETS if n != "mxfp8")
@@ -356,8 +378,8 @@ def _spec_label(spec: QuantSpec) -> str:
 
 def preset_table() -> str:
     """The README's table of training recipes, generated from the presets (a test keeps the README equal)."""
-    rows = ["| recipe | fprop x / W | dgrad dy / Wᵀ | wgrad dyᵀ / xᵀ | Hadamard | layer rules |",
-            "|---|---|---|---|---|---|"]
+    rows = ["| recipe | fprop x / W | dgrad dy / Wᵀ | wgrad dyᵀ / xᵀ | Hadamard | layer rules | beyond the linears |",
+            "|---|---|---|---|---|---|---|"]
     for name in PRESET_NAMES:
         recipe = preset(name)
         cells = []
@@ -373,5 +395,13 @@ def preset_table() -> str:
         rules = ", ".join(f"`{pattern.lstrip('*')}`: {r}" for pattern, r in recipe.rules.overrides) or "—"
         if not recipe.linear.quantized:
             rules = "quantization off (the same code path)"
-        rows.append(f"| `{name}` | {' | '.join(cells)} | {hadamard} | {rules} |")
+        extra = []
+        if recipe.linear.lora_svd_rank:
+            extra.append(f"LoRA-SVD rank {recipe.linear.lora_svd_rank}")
+        if recipe.attention is not None:
+            specs = {t: getattr(recipe.attention, t) for t in ("q", "k", "v", "ds")}
+            extra.append("attention " + ", ".join(f"{t} {_spec_label(s) if s else 'BF16'}" for t, s in specs.items()))
+        if recipe.optimizer:
+            extra.append(f"optimizer `{recipe.optimizer}`")
+        rows.append(f"| `{name}` | {' | '.join(cells)} | {hadamard} | {rules} | {'; '.join(extra) or '—'} |")
     return "\n".join(rows) + "\n"

@@ -12,7 +12,6 @@ from typing import Any
 import torch
 import yaml
 
-from .attention import AttentionRecipe
 from .recipe import GEMMS, PRESET_NAMES, preset
 from .compile import BACKENDS as COMPILE_BACKENDS, MODES
 from .data import BUILTIN_DATASETS
@@ -50,7 +49,7 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0
-    optimizer: str = "adamw"                      # adamw (FP32 state) | fp4_adamw | muon (hf_fp4.optim)
+    optimizer: str = "auto"   # auto (the recipe's: fullstack fp4_adamw, else adamw) | adamw | fp4_adamw | muon
     optimizer_options: dict[str, Any] = field(default_factory=dict)  # see OPTIMIZERS
     seed: int = 0
     mixed_precision: str = "auto"                 # auto (bf16 on GPU, no on CPU) | bf16 | no
@@ -90,9 +89,7 @@ class TrainConfig:
         if "model_type" not in self.model:
             raise ValueError("model needs a model_type (e.g. llama, qwen2)")
         self._validate_model()
-        options = dict(self.recipe_options)
-        AttentionRecipe.build(options.pop("attention", None))  # FP4TrainConfig's attention=..., checked here
-        preset(self.recipe, seed=self.seed, **options)  # unknown or ill-typed options fail here
+        preset(self.recipe, seed=self.seed, **self.recipe_options)  # unknown or ill-typed options fail here
         self._validate_precision_schedule()
         self._validate_optimizer()
         if not isinstance(self.dataset, dict) and self.dataset not in BUILTIN_DATASETS:
@@ -103,19 +100,26 @@ class TrainConfig:
             if missing:
                 raise FileNotFoundError(f"dataset.files: not found: {missing}")
 
+    def optimizer_name(self) -> str:
+        """The optimizer this run builds: `optimizer`, or for auto the recipe's own (else adamw)."""
+        if self.optimizer != "auto":
+            return self.optimizer
+        return preset(self.recipe, seed=self.seed, **self.recipe_options).optimizer or "adamw"
+
     def _validate_optimizer(self) -> None:
-        if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"optimizer={self.optimizer!r}: valid values are {', '.join(OPTIMIZERS)}")
-        valid = OPTIMIZERS[self.optimizer]
+        if self.optimizer not in ("auto", *OPTIMIZERS):
+            raise ValueError(f"optimizer={self.optimizer!r}: valid values are auto, {', '.join(OPTIMIZERS)}")
+        name = self.optimizer_name()
+        valid = OPTIMIZERS[name]
         unknown = sorted(set(self.optimizer_options) - set(valid))
         if unknown:
-            raise ValueError(f"optimizer_options {unknown} for optimizer={self.optimizer}; valid: "
+            raise ValueError(f"optimizer_options {unknown} for optimizer={name}; valid: "
                              f"{', '.join(valid) or 'none'}")
-        if self.optimizer == "adamw":
+        if name == "adamw":
             return
         from .optim import build_optimizer  # bad values (an unknown spec, a transform) fail here, not at step 1
 
-        build_optimizer(self.optimizer, [{"params": [torch.zeros(1, 1, requires_grad=True)], "muon": True}],
+        build_optimizer(name, [{"params": [torch.zeros(1, 1, requires_grad=True)], "muon": True}],
                         self.lr, (self.beta1, self.beta2), self.optimizer_options)
 
     def _validate_precision_schedule(self) -> None:

@@ -300,21 +300,22 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> di
         compile_model(model, cfg.compile_mode, cfg.compile_backend)
     # A gradient is a CUDA-graph output that the next micro-step's replay overwrites: a parameter whose .grad is
     # None would take that buffer as its .grad; an allocated .grad accumulates into itself instead.
-    keep_grads = compiled and uses_cuda_graphs(cfg.compile_mode, cfg.compile_backend) and cfg.grad_accum > 1
+    keep_grads = compiled and uses_cuda_graphs(cfg.compile_mode, cfg.compile_backend, model) and cfg.grad_accum > 1
     train_windows = TokenWindows(data.shard("train"), cfg.seq_len, seed=cfg.seed)
     val_windows = TokenWindows(data.shard("val"), cfg.seq_len, shuffle=False)
 
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "lora_svd" not in n]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2 or "lora_svd" in n]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    if cfg.optimizer == "muon":  # hidden matrices by Muon, embeddings / LM head / norms by its AdamW part
+    optimizer_name = cfg.optimizer_name()
+    if optimizer_name == "muon":  # hidden matrices by Muon, embeddings / LM head / norms by its AdamW part
         hidden = [p for n, p in model.named_parameters() if p.dim() == 2 and "embed" not in n and "lm_head" not in n
                   and "lora_svd" not in n]
         ids = {id(p) for p in hidden}
         groups = [{"params": hidden, "muon": True, "weight_decay": cfg.weight_decay},
                   {"params": [p for p in decay if id(p) not in ids], "weight_decay": cfg.weight_decay},
                   {"params": no_decay, "weight_decay": 0.0}]
-    optimizer = build_optimizer(cfg.optimizer, groups, cfg.lr, (cfg.beta1, cfg.beta2), cfg.optimizer_options)
+    optimizer = build_optimizer(optimizer_name, groups, cfg.lr, (cfg.beta1, cfg.beta2), cfg.optimizer_options)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg))
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     state = RunState(accelerator.unwrap_model(model))

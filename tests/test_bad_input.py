@@ -43,7 +43,7 @@ CASES = [
      lambda tmp: load_config(ROOT / "configs" / "tiny-cpu.yaml", ["lr"])),
     ("missing config file", FileNotFoundError, "config file .*nope.yaml not found",
      lambda tmp: load_config(tmp / "nope.yaml")),
-    ("unknown recipe option", ValueError, "unknown recipe option\\(s\\) \\['lora_rank'\\]; valid: seed, rules, gemms",
+    ("unknown recipe option", ValueError, "unknown recipe option\\(s\\) \\['lora_rank'\\]; valid: seed, rules, attention, gemms",
      lambda tmp: cfg(recipe="nvfp4", recipe_options={"lora_rank": 8})),
     ("ill-typed recipe option", ValueError, "recipe option lora_svd_rank must be int, got str",
      lambda tmp: cfg(recipe="nvfp4", recipe_options={"lora_svd_rank": "8"})),
