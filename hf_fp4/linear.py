@@ -31,6 +31,7 @@ from .operands import BACKENDS, LinearPlan, Operand, gemm, operand_values, opera
 from .philox import STEP_MIX, philox_signs, step_seed
 from .quantize import quantize
 from .recipe import GEMMS, HadamardKind, LinearRecipe
+from .sharq import sharq_operands
 
 # Observers see every quantized operand: fn(module, gemm, role, operand, quantized, spec).
 # Off the hot path (eager only): the list is empty unless a test or `hf_fp4.diagnostics` registers one.
@@ -264,6 +265,8 @@ class FP4Linear(nn.Linear):
 
     # ------------------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.recipe.activation_scheme == "sharq":
+            return self._sharq_forward(x)
         backend = self.resolved_backend(x)
         plan = self._plans["graphs" if backend == "triton" and self.cuda_graphs else backend]
         if self._step.device != x.device:  # moved without Module.to() (e.g. by a sharding wrapper)
@@ -285,6 +288,20 @@ class FP4Linear(nn.Linear):
         if self.lora_svd_A is not None:
             y = y + nn.functional.linear(nn.functional.linear(x, self.lora_svd_A), self.lora_svd_B)
         return y
+
+    def _sharq_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """SharQ inference (hf_fp4.sharq, reference): y = Q(x_sp) Q(W)^T + Q(x - Q(x_sp)) Q(W)^T."""
+        if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.parameters())):
+            raise RuntimeError(f"{self.layer_name or 'FP4Linear'}: activation_scheme=sharq is an inference scheme "
+                               "(it has no backward): run under torch.no_grad() or torch.inference_mode()")
+        w = self.fprop_weight_operand()
+        q_sp, q_res = sharq_operands(x, self.recipe.fprop.lhs)
+        y = q_sp.to(w.device) @ w.t() + q_res.to(w.device) @ w.t()
+        if self.bias is not None:
+            y = y + self.bias.float()
+        if self.lora_svd_A is not None:
+            y = y + (x.float() @ self.lora_svd_A.float().t()) @ self.lora_svd_B.float().t()
+        return y.to(_out_dtype(x))
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={recipe_label(self.recipe)}"

@@ -110,6 +110,7 @@ class LinearRecipe:
     mean_bias_removal: bool = False   # subtract the token mean of x (fprop and wgrad), add it back exactly
     lora_svd_rank: int = 0            # Full-Stack FP4: W = W_res + B A, W_res quantized, A and B not
     lora_svd_refresh_every: int = 0   # re-split every N optimizer steps (0 = never)
+    activation_scheme: str = "plain"  # "sharq": fprop's x as a 4:8 backbone + residual (inference; hf_fp4.sharq)
 
     def __post_init__(self):
         for name in GEMMS:
@@ -120,6 +121,15 @@ class LinearRecipe:
                 raise ValueError(f"LinearRecipe.{name} must be a GemmSpec or dict, got {type(value).__name__}")
         if self.lora_svd_rank < 0 or self.lora_svd_refresh_every < 0:
             raise ValueError("lora_svd_rank and lora_svd_refresh_every must be >= 0")
+        if self.activation_scheme not in ("plain", "sharq"):
+            raise ValueError(f"activation_scheme={self.activation_scheme!r}: valid values are plain, sharq")
+        if self.activation_scheme == "sharq":
+            if self.fprop.lhs is None:
+                raise ValueError("activation_scheme=sharq needs quantized activations in fprop (W4A4); this "
+                                 "recipe keeps fprop's x in high precision")
+            if self.fprop.hadamard.enabled:
+                raise ValueError("activation_scheme=sharq is defined on the activations themselves: use it "
+                                 "with hadamard=none in fprop")
 
     def gemm(self, name: str) -> GemmSpec:
         return getattr(self, name)
@@ -135,6 +145,8 @@ class LinearRecipe:
         out = {g: self.gemm(g).to_dict() for g in GEMMS}
         out.update(mean_bias_removal=self.mean_bias_removal, lora_svd_rank=self.lora_svd_rank,
                    lora_svd_refresh_every=self.lora_svd_refresh_every)
+        if self.activation_scheme != "plain":  # older checkpoints and configs stay as they were
+            out["activation_scheme"] = self.activation_scheme
         return out
 
     @classmethod
@@ -146,10 +158,11 @@ class LinearRecipe:
                      hadamard_size: int | None = None, grid: str | None = None,
                      mean_bias_removal: bool | None = None, lora_svd_rank: int | None = None,
                      lora_svd_refresh_every: int | None = None, stochastic_rounding: bool | None = None,
-                     weight_blocks: str | None = None) -> "LinearRecipe":
+                     weight_blocks: str | None = None, activation_scheme: str | None = None) -> "LinearRecipe":
         """The ablation switches: which GEMMs stay quantized, Hadamard kind/size, element grid, mean-bias
         removal, LoRA-SVD; stochastic_rounding=False rounds every operand to nearest; weight_blocks "1d" / "2d"
-        gives the weight operands (fprop and dgrad rhs) 1 x B or B x B blocks."""
+        gives the weight operands (fprop and dgrad rhs) 1 x B or B x B blocks; activation_scheme "sharq" (FP4
+        inference with SharQ activations, hf_fp4.sharq)."""
         for key, value, kind in (("hadamard_size", hadamard_size, int), ("mean_bias_removal", mean_bias_removal, bool),
                                  ("lora_svd_rank", lora_svd_rank, int),
                                  ("lora_svd_refresh_every", lora_svd_refresh_every, int),
@@ -182,7 +195,8 @@ class LinearRecipe:
                 g = dataclasses.replace(g, hadamard=HadamardSpec(kind, size) if g.quantized else HadamardSpec())
             changes[name] = g
         for key, value in (("mean_bias_removal", mean_bias_removal), ("lora_svd_rank", lora_svd_rank),
-                           ("lora_svd_refresh_every", lora_svd_refresh_every)):
+                           ("lora_svd_refresh_every", lora_svd_refresh_every),
+                           ("activation_scheme", activation_scheme)):
             if value is not None:
                 changes[key] = value
         return dataclasses.replace(self, **changes)

@@ -1,0 +1,42 @@
+"""SharQ (training-free FP4 inference): a 4:8 "in pairs" sparse backbone plus its residual, both in FP4.
+
+For an activation x [..., K] entering fprop (the spec, RESEARCH.md item 5):
+
+    mask   in each group of 8 along K (zero-padded), the 2 of its 4 adjacent pairs (x[2i], x[2i+1]) with the
+           largest magnitude |x[2i]| + |x[2i+1]| are kept (ties: the lower pair), the others zeroed -> x_sp
+    q_sp   = Q(x_sp)                 fprop's activation format (NVFP4 in the paper), its own tensor scale
+    q_res  = Q(x - q_sp)             the residual against the *quantized* backbone, quantized the same way
+    y      = q_sp Q(W)^T + q_res Q(W)^T          two GEMMs over the one FP4 weight payload
+
+Inference only: FP4Linear refuses it while gradients flow, and with an fprop Hadamard (the mask is defined
+on the activations themselves).  This is the reference; no fused kernel yet.
+"""
+from __future__ import annotations
+
+import torch
+
+from .quantize import quantize
+from .spec import QuantSpec
+
+SCHEMES = ("plain", "sharq")
+GROUP, PAIRS, KEEP = 8, 4, 2
+
+
+def pair_mask(x: torch.Tensor) -> torch.Tensor:
+    """Boolean [..., K]: the kept elements of the 4:8 in-pairs backbone of x."""
+    k = x.shape[-1]
+    pad = -k % GROUP
+    mag = torch.nn.functional.pad(x.detach().float().abs(), (0, pad))
+    pairs = mag.reshape(*mag.shape[:-1], -1, PAIRS, 2).sum(-1)                 # [..., K/8, 4]
+    order = torch.sort(pairs, dim=-1, descending=True, stable=True).indices    # ties: the lower pair first
+    keep = torch.zeros_like(pairs, dtype=torch.bool).scatter_(-1, order[..., :KEEP], True)
+    return keep.repeat_interleave(2, dim=-1).reshape(*mag.shape)[..., :k]
+
+
+def sharq_operands(x: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Q(x_sp), Q(x - Q(x_sp))) in FP32, each [..., K]."""
+    flat = x.reshape(-1, x.shape[-1]).float()
+    sparse = torch.where(pair_mask(flat), flat, torch.zeros_like(flat))
+    q_sp = quantize(sparse, spec).dequantize(torch.float32)[:, : flat.shape[1]]
+    q_res = quantize(flat - q_sp, spec).dequantize(torch.float32)[:, : flat.shape[1]]
+    return q_sp.reshape(x.shape), q_res.reshape(x.shape)

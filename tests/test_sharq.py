@@ -1,0 +1,93 @@
+"""SharQ (hf_fp4.sharq): the 4:8 in-pairs mask against a brute force, the two operands against the quantizer
+applied by hand, the layer's product against float64, and the combinations it refuses."""
+import pytest
+import torch
+
+import hf_fp4
+from hf_fp4 import FP4Linear, QuantSpec, quantize
+from hf_fp4.recipe import preset
+from hf_fp4.sharq import pair_mask, sharq_operands
+
+
+def brute_mask(x):
+    """Per group of 8: the two pairs with the largest |a| + |b| (the lower pair on a tie), by Python loops."""
+    rows, k = x.shape
+    keep = torch.zeros(rows, k, dtype=torch.bool)
+    for r in range(rows):
+        for g in range(0, k, 8):
+            sums = []
+            for p in range(4):
+                i = g + 2 * p
+                sums.append(sum(abs(float(x[r, j])) for j in (i, i + 1) if j < k))
+            best = sorted(range(4), key=lambda p: (-sums[p], p))[:2]
+            for p in best:
+                for j in (g + 2 * p, g + 2 * p + 1):
+                    if j < k:
+                        keep[r, j] = True
+    return keep
+
+
+def heavy(rows, k, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, k, generator=g) * torch.exp(torch.randn(rows, k, generator=g))
+
+
+def test_pair_mask_keeps_the_two_largest_pairs_of_each_group():
+    x = heavy(6, 45, 0)  # 45: a partial last group
+    x[0, :8] = torch.tensor([1.0, -1.0, 2.0, 0.0, -2.0, 0.0, 0.5, 0.5])  # pair sums 2, 2, 2, 1: a tie
+    assert torch.equal(pair_mask(x), brute_mask(x))
+    assert pair_mask(x)[0, :8].tolist() == [True, True, True, True, False, False, False, False]
+
+
+def test_operands_are_the_quantized_backbone_and_the_quantized_residual():
+    x = heavy(8, 64, 1).to(torch.bfloat16)
+    spec = QuantSpec.preset("nvfp4")
+    q_sp, q_res = sharq_operands(x, spec)
+    xf = x.float()
+    want_sp = quantize(torch.where(brute_mask(xf), xf, 0.0), spec).dequantize(torch.float32)
+    want_res = quantize(xf - want_sp, spec).dequantize(torch.float32)
+    assert torch.equal(q_sp, want_sp) and torch.equal(q_res, want_res)
+    # the residual is taken against the quantized backbone: the two together are nearer x than Q(x) alone
+    plain = quantize(xf, spec).dequantize(torch.float32)
+    assert (q_sp + q_res - xf).norm() < 0.7 * (plain - xf).norm()
+
+
+def test_the_layer_computes_both_products_over_one_weight_payload():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 48)
+    layer = FP4Linear.from_linear(lin, preset("nvfp4", gemms=("fprop",), activation_scheme="sharq").linear, name="t")
+    x = heavy(10, 64, 2)
+    with torch.no_grad():
+        y = layer(x)
+    w = quantize(lin.weight.detach(), QuantSpec.preset("nvfp4_2d")).dequantize(torch.float32).double()
+    q_sp, q_res = (t.double() for t in sharq_operands(x, QuantSpec.preset("nvfp4")))
+    want = q_sp @ w.t() + q_res @ w.t() + lin.bias.detach().double()
+    assert (y.double() - want).abs().max() <= 1e-5 * want.abs().max()
+    with pytest.raises(RuntimeError, match="inference scheme"):
+        layer(x)  # gradients flow: refused
+
+
+def test_refused_combinations_say_why():
+    with pytest.raises(ValueError, match="hadamard=none"):
+        preset("ufp4", gemms=("fprop",), activation_scheme="sharq")
+    with pytest.raises(ValueError, match="needs quantized activations"):
+        preset("bf16", activation_scheme="sharq")
+    with pytest.raises(ValueError, match="valid values are plain, sharq"):
+        preset("nvfp4", activation_scheme="sharp")
+
+
+def test_the_scheme_survives_save_and_load(tmp_path):
+    from tiny import tiny_config
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    qc = hf_fp4.FP4TrainConfig("nvfp4", gemms=("fprop",), activation_scheme="sharq")
+    model = AutoModelForCausalLM.from_config(tiny_config(), quantization_config=qc)
+    ids = torch.randint(0, 256, (2, 12))
+    with torch.no_grad():
+        want = model(ids).logits
+    model.save_pretrained(tmp_path)
+    again = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert all(m.recipe.activation_scheme == "sharq" for m in hf_fp4.fp4_modules(again).values())
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, want)
