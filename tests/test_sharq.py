@@ -91,3 +91,31 @@ def test_the_scheme_survives_save_and_load(tmp_path):
     assert all(m.recipe.activation_scheme == "sharq" for m in hf_fp4.fp4_modules(again).values())
     with torch.no_grad():
         assert torch.equal(again(ids).logits, want)
+
+
+def test_a_packed_sharq_export_reloads_and_runs_sharq(tmp_path):
+    """scripts/convert.py --mode ptq --sharq: the packed export records the scheme; from_pretrained runs it."""
+    from tiny import tiny_config
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    from hf_fp4.evaluation import post_training_quantize
+    from hf_fp4.export import export_fp4
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config())
+    ids = torch.randint(0, 256, (2, 12))
+    with torch.no_grad():
+        plain = post_training_quantize(AutoModelForCausalLM.from_config(tiny_config()), "nvfp4")
+        plain.load_state_dict(model.state_dict(), strict=False)
+        post_training_quantize(model, "nvfp4", sharq=True)
+        want = model(ids).logits
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel({"[UNK]": 0}, unk_token="[UNK]")))
+    export_fp4(model, tok, tmp_path / "out")
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    layers = hf_fp4.fp4_modules(again).values()
+    assert all(m.frozen_weight and m.recipe.activation_scheme == "sharq" for m in layers)
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, want)
+        assert not torch.equal(plain(ids).logits, want)  # SharQ's activations differ from plain NVFP4's
