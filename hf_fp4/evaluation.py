@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -100,7 +101,35 @@ def run_lm_eval(model, tokenizer, tasks: list[str], limit: int | None = None, ba
     return results
 
 
-PRIMARY = {"lambada": ("acc", "perplexity"), "corpus_ppl": ("word_perplexity", "bits_per_byte")}
+@torch.no_grad()
+def token_perplexity(model, tokenizer, texts: list[str], window: int = 1024, stride: int = 512,
+                     max_tokens: int | None = None) -> dict[str, float]:
+    """Token-level perplexity of the concatenated texts (joined by the EOS token), sliding window: each window
+    of `window` tokens advances by `stride` and scores only the tokens no earlier window scored (the first
+    scores all of its own), so every token is predicted once with at least window - stride tokens of context
+    (except the first window's).  Returns {"perplexity", "nll", "tokens"}."""
+    sep = tokenizer.eos_token or "\n\n"
+    ids = tokenizer(sep.join(texts), return_tensors="pt", add_special_tokens=False).input_ids[0]
+    if max_tokens is not None:
+        ids = ids[:max_tokens]
+    device = next(model.parameters()).device
+    total, count, scored_to = 0.0, 0, 0
+    for start in range(0, max(1, len(ids) - 1), stride):
+        end = min(start + window, len(ids))
+        chunk = ids[start:end].to(device)[None]
+        logits = model(chunk).logits[0, :-1].float()
+        targets = chunk[0, 1:]
+        first = max(scored_to - start, 0)  # positions (as targets at index i + 1) not scored before
+        nll = torch.nn.functional.cross_entropy(logits[first:], targets[first:], reduction="sum")
+        total, count = total + float(nll), count + (len(targets) - first)
+        scored_to = end - 1
+        if end == len(ids):
+            break
+    return {"perplexity": math.exp(total / count), "nll": total / count, "tokens": count}
+
+
+PRIMARY = {"lambada": ("acc", "perplexity"), "corpus_ppl": ("word_perplexity", "bits_per_byte"),
+           "token_ppl": ("perplexity", "tokens")}
 
 
 def markdown_table(rows: dict[str, dict[str, dict[str, float]]]) -> str:

@@ -2,7 +2,9 @@
 """SmolLM2-135M: BF16 vs FP4 post-training quantization (nvfp4 / mxfp4 / ufp4, with and without
 Hadamard) on the offline tasks and held-out perplexity.
 
-    python scripts/ptq_table.py [--limit N] [--out benchmarks/smollm2-ptq]
+    python scripts/ptq_table.py [--limit N] [--out benchmarks/smollm2-ptq] [--configs a,b] [--tasks t1,t2]
+        [--ppl_tokens N]     token-level perplexity of the built-in corpus's held-out documents (sliding
+                             window 1024, stride 512, the first N tokens), as `token_ppl`
 """
 import argparse
 import copy
@@ -14,12 +16,14 @@ from pathlib import Path
 import torch
 
 import hf_fp4  # noqa: F401
-from hf_fp4.evaluation import load_model, markdown_table, post_training_quantize, run_lm_eval
+from hf_fp4.evaldata import heldout_corpus_texts
+from hf_fp4.evaluation import load_model, markdown_table, post_training_quantize, run_lm_eval, token_perplexity
 from hf_fp4.models import fetch_smollm2
 
 CONFIGS = [("bf16", None, "none", 16), ("nvfp4", "nvfp4", "none", 16), ("nvfp4+H16", "nvfp4", "deterministic", 16),
            ("mxfp4", "mxfp4", "none", 32), ("mxfp4+H32", "mxfp4", "deterministic", 32),
-           ("ufp4 (no H)", "ufp4", "none", 16), ("ufp4+RHT16", "ufp4", "random_fixed", 16)]
+           ("ufp4 (no H)", "ufp4", "none", 16), ("ufp4+RHT16", "ufp4", "random_fixed", 16),
+           ("nvfp4+SharQ", "nvfp4", "none", 16, True)]
 TASKS = "hellaswag,piqa,arc_easy,arc_challenge,winogrande,boolq,openbookqa,sciq,lambada,corpus_ppl"
 
 
@@ -29,6 +33,8 @@ def main():
     p.add_argument("--batch_size", default="16")
     p.add_argument("--out", default="benchmarks/smollm2-ptq")
     p.add_argument("--configs", default=",".join(c[0] for c in CONFIGS))
+    p.add_argument("--tasks", default=TASKS, help="comma list of lm-eval tasks ('' for none)")
+    p.add_argument("--ppl_tokens", type=int, default=0, help="token-level perplexity on this many held-out tokens")
     args = p.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -38,16 +44,21 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     rows = {}
     wanted = args.configs.split(",")
-    for name, preset, hadamard, size in CONFIGS:
+    texts = heldout_corpus_texts() if args.ppl_tokens else None
+    for name, preset, hadamard, size, *sharq in CONFIGS:
         if name not in wanted:
             continue
         t0 = time.time()
         model = copy.deepcopy(base)
         if preset:
-            post_training_quantize(model, preset, hadamard, size)
-        rows[name] = run_lm_eval(model, tok, TASKS.split(","), args.limit, int(args.batch_size))
+            post_training_quantize(model, preset, hadamard, size, sharq=bool(sharq and sharq[0]))
+        tasks = [t for t in args.tasks.split(",") if t]
+        rows[name] = run_lm_eval(model, tok, tasks, args.limit, int(args.batch_size)) if tasks else {}
+        if args.ppl_tokens:
+            rows[name]["token_ppl"] = token_perplexity(model, tok, texts, 1024, 512, args.ppl_tokens)
         print(f"{name}: {time.time() - t0:.0f} s", flush=True)
         (out / "results.json").write_text(json.dumps({"date": datetime.date.today().isoformat(), "limit": args.limit,
+                                                       "command": "python " + " ".join(__import__("sys").argv),
                                                        "model": f"{model_dir}/{gguf}", "results": rows}, indent=2))
         (out / "table.md").write_text(markdown_table(rows))
     print(markdown_table(rows))

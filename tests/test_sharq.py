@@ -119,3 +119,31 @@ def test_a_packed_sharq_export_reloads_and_runs_sharq(tmp_path):
     with torch.no_grad():
         assert torch.equal(again(ids).logits, want)
         assert not torch.equal(plain(ids).logits, want)  # SharQ's activations differ from plain NVFP4's
+
+
+def test_token_perplexity_scores_every_token_once():
+    """The sliding-window protocol: every token but the first is a target exactly once; with one window it is
+    the plain mean negative log-likelihood of one forward pass."""
+    from tiny import tiny_config
+    from tokenizers import Tokenizer, pre_tokenizers
+    from tokenizers.models import WordLevel
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    from hf_fp4.evaluation import token_perplexity
+
+    words = [f"w{i}" for i in range(200)]
+    wl = Tokenizer(WordLevel({w: i for i, w in enumerate(["[UNK]", "[EOS]"] + words)}, unk_token="[UNK]"))
+    wl.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=wl, eos_token="[EOS]")
+    g = torch.Generator().manual_seed(0)
+    texts = [" ".join(words[int(i)] for i in torch.randint(0, 200, (n,), generator=g)) for n in (40, 31)]
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config())
+    n = len(tok("[EOS]".join(texts), add_special_tokens=False).input_ids)
+    assert n == 72
+    for window, stride in ((16, 8), (20, 7), (128, 64)):
+        assert token_perplexity(model, tok, texts, window, stride)["tokens"] == n - 1
+    ids = tok("[EOS]".join(texts), return_tensors="pt", add_special_tokens=False).input_ids
+    with torch.no_grad():
+        nll = torch.nn.functional.cross_entropy(model(ids).logits[0, :-1], ids[0, 1:])
+    assert abs(token_perplexity(model, tok, texts, 128, 64)["nll"] - float(nll)) < 1e-5
