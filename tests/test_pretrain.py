@@ -563,7 +563,7 @@ def test_fp4_adamw_keeps_nvfp4_moments_in_checkpoints_and_resumes_exactly(corpus
     with pytest.raises(ValueError, match=r"optimizer_options \['rank'\] for optimizer=fp4_adamw; valid: state_spec"):
         TrainConfig.from_dict(tiny_cfg(corpus_files, tmp_path / "x", optimizer="fp4_adamw",
                                        optimizer_options={"rank": 4}))
-    with pytest.raises(ValueError, match="optimizer='lion': valid values are adamw, fp4_adamw"):
+    with pytest.raises(ValueError, match="optimizer='lion': valid values are auto, adamw, fp4_adamw"):
         TrainConfig.from_dict(tiny_cfg(corpus_files, tmp_path / "x", optimizer="lion"))
 
 

@@ -137,7 +137,7 @@ def recipe_sr_specs():
     found = {}
     for name in PRESET_NAMES:
         for spec in preset(name).linear.operand_specs():
-            if spec.rounding.value == "stochastic":
+            if spec.rounding.value == "stochastic" and spec not in found.values():  # fullstack: nvfp4's specs
                 found[f"{name}:{spec.grid.value}{spec.block[0]}x{spec.block[1]}"] = spec
     return found
 
