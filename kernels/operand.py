@@ -61,15 +61,12 @@ def _fold_stat(a, stat_ptr, rows, n_rows, ld, k0, BM: tl.constexpr, BK: tl.const
     elif BK <= CHUNK:  # the tile lies in one chunk (tiles and chunks are powers of two)
         tl.atomic_max(stat_ptr + (k0 // CHUNK) * ld + rows, tl.max(a, axis=0 if TRANSPOSED else 1),
                       mask=rows < n_rows)
-    else:
+    else:  # wider than a chunk: only a tile grown for a 256 Hadamard, which is reduced in operand layout
+        tl.static_assert(not TRANSPOSED, "a stats tile reduced in place spans at most one chunk")
         NCH: tl.constexpr = BK // CHUNK
         chunks = k0 // CHUNK + tl.arange(0, NCH)
-        if TRANSPOSED:
-            m = tl.max(tl.reshape(a, [NCH, CHUNK, BM]), axis=1)
-            tl.atomic_max(stat_ptr + chunks[:, None] * ld + rows[None, :], m, mask=(rows < n_rows)[None, :])
-        else:
-            m = tl.max(tl.reshape(a, [BM, NCH, CHUNK]), axis=2)
-            tl.atomic_max(stat_ptr + chunks[None, :] * ld + rows[:, None], m, mask=(rows < n_rows)[:, None])
+        m = tl.max(tl.reshape(a, [BM, NCH, CHUNK]), axis=2)
+        tl.atomic_max(stat_ptr + chunks[None, :] * ld + rows[:, None], m, mask=(rows < n_rows)[:, None])
 
 
 @triton.jit

@@ -193,6 +193,28 @@ def test_operand_kernel_both_orientations_match_reference(spec, form, h):
     assert_operands_exact(t, plans, torch.tensor([7, -2**40], device=DEV), signs)
 
 
+@pytest.mark.parametrize("spec,h", [(s, h) for s in operand_specs() if fp8_capable(s)
+                                     for h in ([0, 256] if s.block[0] == 1 else [0])], ids=str)
+def test_fp8_operands_span_several_chunks_exactly(spec, h):
+    """FP8 operands whose contraction spans several 128-column chunks (and a partial one, padded), rows and
+    columns of very different magnitude, both orientations; a 256 Hadamard makes the tiles two chunks wide.
+    Every value is the reference's, and the GEMM of the pair is exact."""
+    g = torch.Generator().manual_seed(21)
+    t = torch.randn(208, 328, generator=g)
+    t = t * torch.exp2(torch.randint(-18, 18, (208, 1), generator=g).float())
+    t = t * torch.exp2(torch.randint(-18, 18, (1, 328), generator=g).float())
+    t = t.to(DEV)
+    signs = (seeded_signs(h, 5), seeded_signs(h, 6)) if h else (None, None)
+    plans = (plan_for(spec, "fp8", h, h > 0), plan_for(spec, "fp8", h, h > 0))
+    oa, ob = assert_operands_exact(t, plans, torch.tensor([3, 4], device=DEV), signs)
+    assert oa.scale.shape[1] == oa.data.shape[1] // 128 > 2 and ob.scale.shape[1] == ob.data.shape[1] // 128 > 1
+    ra = reference_operand(t.float(), plans[0], 3, signs[0]).data
+    rb = reference_operand(t.float().t(), plans[1], 4, signs[1]).data
+    # x-like (208 x 328) against a second operand of the same width: the A operand with itself
+    assert_within_accumulation_error(gemm(oa, oa, plans, 208, 208, torch.float32), ra, ra, str(spec))
+    assert_within_accumulation_error(gemm(ob, ob, plans, 328, 328, torch.float32), rb, rb, str(spec))
+
+
 @pytest.mark.parametrize("name", ["mxfp4", "nvfp4", "ufp4"])
 def test_operand_kernel_mixed_orientations_transposed_input_and_mean(name):
     """Different specs per orientation (fprop RTN vs wgrad SR + RHT), a transposed (strided) input, mu."""
