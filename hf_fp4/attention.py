@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from .quantize import quantize
+from .quantize import fake_quantize
 from .spec import QuantSpec, as_spec
 
 TENSORS = ("q", "k", "v", "ds")
@@ -72,17 +72,19 @@ class AttentionRecipe:
                 specs[name] = as_spec(spec)
         return cls(**specs)
 
+    def specs(self) -> dict[str, QuantSpec | None]:
+        return {t: getattr(self, t) for t in TENSORS}
+
     @property
     def quantized(self) -> bool:
-        return any(getattr(self, t) is not None for t in TENSORS)
+        return any(s is not None for s in self.specs().values())
 
     @property
     def stochastic(self) -> bool:
-        return any(s is not None and s.rounding.value == "stochastic" for s in (self.q, self.k, self.v, self.ds))
+        return any(s is not None and s.rounding.value == "stochastic" for s in self.specs().values())
 
     def to_dict(self) -> dict[str, Any]:
-        return {t: (s.to_dict() if s is not None else "none") for t, s in
-                ((t, getattr(self, t)) for t in TENSORS)}
+        return {t: s.to_dict() if s is not None else "none" for t, s in self.specs().items()}
 
 
 def quantize_rows(x: torch.Tensor, spec: QuantSpec | None, seed: int) -> torch.Tensor:
@@ -95,7 +97,7 @@ def quantize_rows(x: torch.Tensor, spec: QuantSpec | None, seed: int) -> torch.T
     if pad:
         x = torch.nn.functional.pad(x, (0, 0, 0, pad))
     seeded = {"seed": seed} if spec.rounding.value == "stochastic" else {}
-    out = quantize(x.reshape(-1, x.shape[-1]), spec, **seeded).dequantize(torch.float32)
+    out = fake_quantize(x.reshape(-1, x.shape[-1]), spec, **seeded)
     return out.reshape(x.shape)[..., :rows, :]
 
 

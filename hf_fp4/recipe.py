@@ -413,8 +413,8 @@ def preset_table() -> str:
         if recipe.linear.lora_svd_rank:
             extra.append(f"LoRA-SVD rank {recipe.linear.lora_svd_rank}")
         if recipe.attention is not None:
-            specs = {t: getattr(recipe.attention, t) for t in ("q", "k", "v", "ds")}
-            extra.append("attention " + ", ".join(f"{t} {_spec_label(s) if s else 'BF16'}" for t, s in specs.items()))
+            extra.append("attention " + ", ".join(f"{t} {_spec_label(s) if s else 'BF16'}"
+                                                  for t, s in recipe.attention.specs().items()))
         if recipe.optimizer:
             extra.append(f"optimizer `{recipe.optimizer}`")
         rows.append(f"| `{name}` | {' | '.join(cells)} | {hadamard} | {rules} | {'; '.join(extra) or '—'} |")

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .quantize import quantize
+from .quantize import fake_quantize
 from .spec import QuantSpec
 
 SCHEMES = ("plain", "sharq")
@@ -37,6 +37,6 @@ def sharq_operands(x: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torc
     """(Q(x_sp), Q(x - Q(x_sp))) in FP32, each [..., K]."""
     flat = x.reshape(-1, x.shape[-1]).float()
     sparse = torch.where(pair_mask(flat), flat, torch.zeros_like(flat))
-    q_sp = quantize(sparse, spec).dequantize(torch.float32)[:, : flat.shape[1]]
-    q_res = quantize(flat - q_sp, spec).dequantize(torch.float32)[:, : flat.shape[1]]
+    q_sp = fake_quantize(sparse, spec)
+    q_res = fake_quantize(flat - q_sp, spec)
     return q_sp.reshape(x.shape), q_res.reshape(x.shape)
