@@ -136,8 +136,10 @@ def run_study(study: Study, out: str | Path, parallel: int = 1, gpus: list[str] 
         queue.append((run, cfg_path, state))
     queue.sort(key=lambda item: item[0].replica)
     # the data once, here: runs started together would each tokenise the same corpus
-    keys = {json.dumps(_data_key(run.config), sort_keys=True, default=str): _data_key(run.config)
-            for run, _, _ in queue}
+    keys = {}
+    for run, _, _ in queue:
+        key = _data_key(run.config)
+        keys[json.dumps(key, sort_keys=True, default=str)] = key
     for text, key in keys.items():
         print(f"study: preparing data {text}", flush=True)
         prepare_data(*key)

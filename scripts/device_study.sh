@@ -10,7 +10,7 @@
 # Device, carry [".carry"]:
 #   STUDY=configs/study/fp4-recipes-large.yaml PARALLEL=3 WAIT=500 bash scripts/device_study.sh start
 #   WAIT=580 bash scripts/device_study.sh watch          (next calls, each within the machine's idle window)
-# Back here: bash scripts/device_study.sh unpack <files_at>/study.tgz configs/study/<name>.yaml
+# Back here (the venv's python on PATH): bash scripts/device_study.sh unpack <files_at>/study.tgz configs/study/<name>.yaml
 #   (finished runs -> benchmarks/study-<name>/runs/, unfinished ones -> interrupted/, logs without progress bars,
 #    then table.md, results.json and the plots)
 set -uo pipefail
