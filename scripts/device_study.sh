@@ -9,7 +9,8 @@
 #   .venv/bin/pip wheel -q --no-deps -w .carry .
 # Device, carry [".carry"]:
 #   STUDY=configs/study/fp4-recipes-large.yaml WAIT=500 bash scripts/device_study.sh start   [PARALLEL=n]
-#   (PARALLEL defaults to 1: on 2026-12-01 three runs sharing the H200 by time-slicing trained bf16 at 239k and
+#   (PARALLEL defaults to 1: on 2026-12-01 three runs sharing the H200 by time-slicing (one of them an MX run in
+#   its since-fixed slow correction) trained bf16 at 239k and
 #   nvfp4 at 150k tokens/s each -- bf16 alone benchmarks at ~812k: together they were slower than in turn)
 #   WAIT=580 bash scripts/device_study.sh watch          (next calls, each within the machine's idle window)
 # Back here (the venv's python on PATH): bash scripts/device_study.sh unpack <files_at>/study.tgz configs/study/<name>.yaml
