@@ -82,7 +82,9 @@ def post_training_quantize(model, preset: str, hadamard: str = "none", hadamard_
 
 
 def run_lm_eval(model, tokenizer, tasks: list[str], limit: int | None = None, batch_size: str | int = "auto",
-                hub_tasks: bool = False) -> dict[str, dict[str, float]]:
+                hub_tasks: bool = False, bootstrap_iters: int = 1000) -> dict[str, dict[str, Any]]:
+    """task -> {metric: value, ..., "stderr": {metric: standard error}} (lm-eval's: closed form for means,
+    `bootstrap_iters` resamples for perplexities)."""
     lm_eval = require("lm_eval", "eval", "running lm-eval tasks (scripts/evaluate.py)")
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
@@ -92,11 +94,20 @@ def run_lm_eval(model, tokenizer, tasks: list[str], limit: int | None = None, ba
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size,
               device=str(next(model.parameters()).device))
     out = lm_eval.simple_evaluate(model=lm, tasks=names, limit=limit, task_manager=TaskManager(include_path=str(include)),
-                                  log_samples=False, bootstrap_iters=0)
+                                  log_samples=False, bootstrap_iters=bootstrap_iters)
     results = {}
     for task, metrics in out["results"].items():
-        clean = {k.split(",")[0]: float(v) for k, v in metrics.items()
-                 if isinstance(v, (int, float)) and not k.startswith(("alias", "sample_")) and "stderr" not in k}
+        clean, stderr = {}, {}
+        for key, value in metrics.items():
+            name = key.split(",")[0]
+            if not isinstance(value, (int, float)) or name.startswith(("alias", "sample_")):
+                continue  # lm-eval writes "N/A" where it has no standard error
+            if name.endswith("_stderr"):
+                stderr[name.removesuffix("_stderr")] = float(value)
+            else:
+                clean[name] = float(value)
+        if stderr:
+            clean["stderr"] = stderr
         results[task.removeprefix(PREFIX)] = clean
     return results
 
@@ -133,7 +144,8 @@ PRIMARY = {"lambada": ("acc", "perplexity"), "corpus_ppl": ("word_perplexity", "
 
 
 def markdown_table(rows: dict[str, dict[str, dict[str, float]]]) -> str:
-    """rows: config name -> task -> metrics; acc_norm where a task has it, else acc / perplexities."""
+    """rows: config name -> task -> metrics; acc_norm where a task has it, else acc / perplexities, each with
+    its standard error (± ...) when the results carry one."""
     tasks = sorted({t for res in rows.values() for t in res})
     cols = []
     for t in tasks:
@@ -142,7 +154,8 @@ def markdown_table(rows: dict[str, dict[str, dict[str, float]]]) -> str:
         cols += [(t, k) for k in keys]
     lines = ["| config | " + " | ".join(f"{t} {k}" for t, k in cols) + " |", "|---" * (len(cols) + 1) + "|"]
     for name, res in rows.items():
-        cells = [f"{res[t][k]:.4f}" if t in res and k in res[t] else "-" for t, k in cols]
+        cells = [f"{res[t][k]:.4f}" + (f" ± {res[t]['stderr'][k]:.4f}" if k in res[t].get("stderr", {}) else "")
+                 if t in res and k in res[t] else "-" for t, k in cols]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
