@@ -265,8 +265,13 @@ class FP4Linear(nn.Linear):
 
     # ------------------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.recipe.activation_scheme == "sharq":
-            return self._sharq_forward(x)
+        y = self._sharq_product(x) if self.recipe.activation_scheme == "sharq" else self._fp4_product(x)
+        if self.lora_svd_A is not None:
+            y = y + nn.functional.linear(nn.functional.linear(x, self.lora_svd_A), self.lora_svd_B)
+        return y
+
+    def _fp4_product(self, x: torch.Tensor) -> torch.Tensor:
+        """x Q(W)^T + bias through FP4LinearFunction (the three GEMMs of the recipe)."""
         backend = self.resolved_backend(x)
         plan = self._plans["graphs" if backend == "triton" and self.cuda_graphs else backend]
         if self._step.device != x.device:  # moved without Module.to() (e.g. by a sharding wrapper)
@@ -284,13 +289,10 @@ class FP4Linear(nn.Linear):
         # Under autocast the activations enter the GEMMs in the autocast dtype, as nn.Linear's (and
         # TransformerEngine's) do: x is quantized from BF16, and read in half the bytes.
         x_in = x.to(out_dtype) if out_dtype != x.dtype and torch.is_autocast_enabled(x.device.type) else x
-        y = FP4LinearFunction.apply(x_in, self.weight, self.bias, seeds, signs, plan, need, out_dtype, observer)
-        if self.lora_svd_A is not None:
-            y = y + nn.functional.linear(nn.functional.linear(x, self.lora_svd_A), self.lora_svd_B)
-        return y
+        return FP4LinearFunction.apply(x_in, self.weight, self.bias, seeds, signs, plan, need, out_dtype, observer)
 
-    def _sharq_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """SharQ inference (hf_fp4.sharq, reference): y = Q(x_sp) Q(W)^T + Q(x - Q(x_sp)) Q(W)^T."""
+    def _sharq_product(self, x: torch.Tensor) -> torch.Tensor:
+        """SharQ inference (hf_fp4.sharq, reference): Q(x_sp) Q(W)^T + Q(x - Q(x_sp)) Q(W)^T + bias."""
         if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.parameters())):
             raise RuntimeError(f"{self.layer_name or 'FP4Linear'}: activation_scheme=sharq is an inference scheme "
                                "(it has no backward): run under torch.no_grad() or torch.inference_mode()")
@@ -299,8 +301,6 @@ class FP4Linear(nn.Linear):
         y = q_sp.to(w.device) @ w.t() + q_res.to(w.device) @ w.t()
         if self.bias is not None:
             y = y + self.bias.float()
-        if self.lora_svd_A is not None:
-            y = y + (x.float() @ self.lora_svd_A.float().t()) @ self.lora_svd_B.float().t()
         return y.to(_out_dtype(x))
 
     def extra_repr(self) -> str:

@@ -99,8 +99,8 @@ class OperandPlan:
 
 class Operand(NamedTuple):
     """fp32/hp: data only (scale = 1); bf16: data + FP32 tensor scale; fp8: E4M3 data, FP32 scales per row and
-    FP8_CHUNK columns ([rows, k / FP8_CHUNK], column-major as cuBLAS wants them), and the lost-block parts (side values, block exponents, row flags + a last "any row" flag; kernels/operand.py).
-    Unused: empty."""
+    FP8_CHUNK columns ([rows, k / FP8_CHUNK], column-major as cuBLAS wants them), and the lost-block parts
+    (side values, block exponents, row flags + a last "any row" flag; kernels/operand.py).  Unused: empty."""
 
     data: torch.Tensor
     scale: torch.Tensor

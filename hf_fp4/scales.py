@@ -25,11 +25,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .formats import Grid, encode, decode, grid_emax, grid_max
+from .formats import FLT_MIN, Grid, encode, decode, grid_emax, grid_max
 
 E4M3_MAX = 448.0
 FLT_MAX = torch.finfo(torch.float32).max
-FLT_MIN = 2.0**-126  # FP32's smallest normal number
 
 
 class ScaleRule(str, enum.Enum):

@@ -14,8 +14,8 @@ A study file (configs/study/*.yaml)::
 
 Each run entry is a set of TrainConfig keys (plus `label`, default the recipe, and `seeds`); every run's
 config is validated before the first one starts.  `run_study` tokenises each dataset the runs need once,
-then runs them as `python -m hf_fp4 pretrain` subprocesses, several at once (one GPU each when GPUs are given), skipping finished runs and resuming
-interrupted ones; `summarize` writes results.json, table.md (gap to bf16 with the bf16 seed spread) and
+then runs them as `python -m hf_fp4 pretrain` subprocesses, several at once (one GPU each when GPUs are
+given), skipping finished runs and resuming interrupted ones; `summarize` writes results.json, table.md (gap to bf16 with the bf16 seed spread) and
 the plots into the study folder.
 """
 from __future__ import annotations

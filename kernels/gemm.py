@@ -11,9 +11,9 @@ row and FP8_CHUNK (128) columns:
    a 4-bit grid value (at most 4 significant bits) times a power of two, so BF16 holds it exactly and
    the products are exact in the FP32 accumulator.  (It was an FP32 `ieee` dot on the CUDA cores: once
    training spread the operands out, most rows were flagged and MX training ran 10x slower than NVFP4,
-   benchmarks/study-fp4-recipes-large/README.md.)  It is one persistent program per SM that first reads each operand's "any row
-   flagged" element (flags[rows]) and returns when both are clear: a few microseconds, and no host
-   ever waits on a flag.  (A program per output tile, reading its rows' flags, cost 25 us per GEMM:
+   benchmarks/study-fp4-recipes-large/README.md.)  It is one persistent program per SM that first reads
+   each operand's "any row flagged" element (flags[rows]) and returns when both are clear: a few
+   microseconds, and no host ever waits on a flag.  (A program per output tile, reading its rows' flags, cost 25 us per GEMM:
    7% of a 1.1B train step, profiled on the H200.)
 """
 from __future__ import annotations
@@ -113,8 +113,9 @@ def correct_lost_tiles(out: torch.Tensor, a, b, a_blc: int, a_shift: int, b_blc:
     wrap_triton(_correction_kernel)[(max(1, min(tiles, programs)),)](
         out, m, n, out.stride(0), a.data, a.side, a.eb, a.scale, a.flags, a.data.shape[0],
         b.data, b.side, b.eb, b.scale, b.flags, b.data.shape[0], k,
-        BM=bm, BN=bn, BK=min(bk, triton.next_power_of_2(k)), A_BLC=a_blc, A_SHIFT=a_shift, B_BLC=b_blc, B_SHIFT=b_shift,
-        OUT_BF16=out.dtype == torch.bfloat16, INTERPRETED=not out.is_cuda, num_warps=8 if bm * bn >= 128 * 128 else 4)
+        BM=bm, BN=bn, BK=min(bk, triton.next_power_of_2(k)), A_BLC=a_blc, A_SHIFT=a_shift, B_BLC=b_blc,
+        B_SHIFT=b_shift, OUT_BF16=out.dtype == torch.bfloat16, INTERPRETED=not out.is_cuda,
+        num_warps=8 if bm * bn >= 128 * 128 else 4)
 
 
 def scaled_mm(a, b, m: int, n: int, out_dtype: torch.dtype) -> torch.Tensor:
@@ -145,15 +146,13 @@ def blockwise_fp8(device_index: int) -> bool:
     scale = torch.ones(k // FP8_CHUNK, 16, device=dev).t()  # [16, 2], column-major as cuBLAS wants it
     try:
         out = torch._scaled_mm(a, a.t(), scale_a=scale, scale_b=scale.t(), out_dtype=torch.float32)
-        if bool((out == k).all()):
-            return True
+        problem = None if bool((out == k).all()) else "it gave a wrong product"
     except (RuntimeError, ValueError, NotImplementedError) as err:
-        warnings.warn(f"hf_fp4: torch._scaled_mm has no 1x{FP8_CHUNK} block scaling here ({err}); the MX "
-                      "family's FP8 GEMMs run exactly in BF16 instead (slower)")
-        return False
-    warnings.warn("hf_fp4: torch._scaled_mm's 1x128 block scaling gave a wrong product here; the MX family's "
-                  "FP8 GEMMs run exactly in BF16 instead (slower)")
-    return False
+        problem = f"it is not supported: {err}"
+    if problem:
+        warnings.warn(f"hf_fp4: torch._scaled_mm with 1x{FP8_CHUNK} block scales: {problem}; the MX family's FP8 "
+                      "GEMMs run exactly in BF16 instead (slower)")
+    return problem is None
 
 
 def fp8_gemm(a, b, m: int, n: int, out_dtype: torch.dtype, a_blc: int, a_shift: int, b_blc: int,

@@ -32,6 +32,7 @@ GRID_IDS = {Grid.E2M1: 0, Grid.E1M2: 1, Grid.INT4: 2, Grid.E4M3: 3}
 #: OCP emax of the element grid (floor(log2 max)).
 GRID_EMAX = {Grid.E2M1: 2, Grid.E1M2: 0, Grid.INT4: 2, Grid.E4M3: 8}
 FLT_MAX = 3.4028234663852886e38
+FLT_MIN = tl.constexpr(1.1754943508222875e-38)  # FP32's smallest normal number (hf_fp4.formats.FLT_MIN)
 
 
 @triton.jit
@@ -124,7 +125,13 @@ def tensor_encode_scale(tensor_amax, QMAX: tl.constexpr):
     """s_enc = 448 * qmax / amax (IEEE division), capped at FLT_MAX; 1 when amax or s_enc is 0 (TE) and when
     amax is subnormal (< 2^-126; flushed or not, as the reference)."""
     s_enc = tl.minimum(tl.math.div_rn(448.0 * QMAX, tensor_amax), 3.4028234663852886e38)
-    return tl.where((tensor_amax < 1.1754943508222875e-38) | (s_enc == 0), 1.0, s_enc)
+    return tl.where((tensor_amax < FLT_MIN) | (s_enc == 0), 1.0, s_enc)
+
+
+@triton.jit
+def capped_reciprocal(x):
+    """1 / x (IEEE division) capped at FLT_MAX: the two-level encode factor (hf_fp4.scales.ue4m3_two_level)."""
+    return tl.minimum(tl.math.div_rn(tl.full(x.shape, 1.0, tl.float32), x), 3.4028234663852886e38)
 
 
 @triton.jit
@@ -167,7 +174,7 @@ def hadamard(x, signs_ptr, BM: tl.constexpr, BK: tl.constexpr, H: tl.constexpr, 
 @triton.jit
 def flush_subnormals(x):
     """hf_fp4.formats.flush_subnormals: |x| < 2^-126 -> +0 (NaN, inf kept)."""
-    return tl.where(tl.abs(x) < 1.1754943508222875e-38, 0.0, x)
+    return tl.where(tl.abs(x) < FLT_MIN, 0.0, x)
 
 
 @triton.jit

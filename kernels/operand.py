@@ -18,8 +18,8 @@ Operand forms (bit-exact with the reference values, `hf_fp4.quantize` then `dequ
 * `fp8`: E8M0 scales on a 4-bit grid folded into E4M3 against a reference exponent per operand row and
   chunk of 128 contraction columns, e_ref = the chunk's largest block exponent in that row (2D blocks:
   in the block's rows): v * 2^(e_b - e_ref + SHIFT), GEMM scale 2^(e_ref - SHIFT) per (row, chunk), as
-  cuBLAS's 1x128 block scaling takes it (SHIFT = floor(log2(448 / grid max))).  Exact while e_ref - e_b <= DMAX (E4M3's subnormals run
-  out below).  A block further down is "lost": its FP8 value is 0, its exact value v * 2^SHIFT goes
+  cuBLAS's 1x128 block scaling takes it (SHIFT = floor(log2(448 / grid max))).  Exact while
+  e_ref - e_b <= DMAX (E4M3's subnormals run out below).  A block further down is "lost": its FP8 value is 0, its exact value v * 2^SHIFT goes
   to the `side` buffer with its exponent in `eb` (-128 elsewhere), and its row is flagged.  The GEMM
   front end (gemm.py) recomputes every output tile that touches a flagged row exactly -- decided on
   the device, with no host synchronisation.
@@ -37,11 +37,12 @@ from torch.library import wrap_triton
 from hf_fp4.operand_plan import FP8_CHUNK, Operand, OperandPlan, empty_operand, fp8_dmax, fp8_shift
 from hf_fp4.spec import Rounding
 
-from .numerics import (block_max, e8m0_exponent, expand_blocks, grid_constants, hadamard, pow2, round_grid,
-                       sr_uniforms, tensor_encode_scale, ue4m3_block_scale)
+from .numerics import (block_max, capped_reciprocal, e8m0_exponent, expand_blocks, grid_constants, hadamard, pow2,
+                       round_grid, sr_uniforms, tensor_encode_scale, ue4m3_block_scale)
 from .quant import SCALE_CODES, load_tile
 
 CHUNK = tl.constexpr(FP8_CHUNK)  # contraction columns per FP8 reference exponent (and cuBLAS block scale)
+
 
 @triton.jit
 def _finite_abs(x):
@@ -141,8 +142,7 @@ def _emit(x, rows, cols, col0, first_tile, out_ptr, n_rows, n_cols, stat_ptr, sc
         s_dec = tl.math.div_rn(1.0, s_enc)
         factor = ue4m3_block_scale(amax, s_enc, QMAX)
         decode = factor * s_dec
-        encode = tl.where(factor > 0, tl.minimum(tl.math.div_rn(tl.full(decode.shape, 1.0, tl.float32), decode),
-                                                 3.4028234663852886e38), 0.0)  # capped as the reference
+        encode = tl.where(factor > 0, capped_reciprocal(decode), 0.0)
         if first_tile:
             tl.store(scale_ptr, s_dec)
     factor = tl.where(bad, float("nan"), factor)

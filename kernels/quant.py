@@ -24,8 +24,9 @@ from hf_fp4.qtensor import NonFiniteError, QuantizedTensor
 from hf_fp4.scales import ScaleRule
 from hf_fp4.spec import NonFinite, QuantSpec, Rounding
 
-from .numerics import (flush_subnormals, block_any, block_max, e8m0_exponent, expand_blocks, grid_code, grid_constants, hadamard, pow2,
-                       round_grid, sr_uniforms, tensor_encode_scale, ue4m3_block_scale)
+from .numerics import (block_any, block_max, capped_reciprocal, e8m0_exponent, expand_blocks, flush_subnormals,
+                       grid_code, grid_constants, hadamard, pow2, round_grid, sr_uniforms, tensor_encode_scale,
+                       ue4m3_block_scale)
 
 SCALE_CODES = {ScaleRule.E8M0_FLOOR: 0, ScaleRule.E8M0_CEIL: 1, ScaleRule.UE4M3_FP32: 2, ScaleRule.FP32: 3}
 
@@ -78,8 +79,7 @@ def _quantize_kernel(x_ptr, codes_ptr, scales_ptr, stat_ptr, mu_ptr, signs_ptr, 
         s_b = ue4m3_block_scale(amax, s_enc, QMAX)
         stored = grid_code(s_b, -6, 3).to(tl.uint8)
         decode = s_b * tl.math.div_rn(1.0, s_enc)
-        encode = tl.where(s_b > 0, tl.minimum(tl.math.div_rn(tl.full(decode.shape, 1.0, tl.float32), decode),
-                                              3.4028234663852886e38), 0.0)  # capped as the reference
+        encode = tl.where(s_b > 0, capped_reciprocal(decode), 0.0)
     else:  # FP32
         stored = tl.math.div_rn(amax, QMAX)
         encode = tl.where(stored > 0, tl.math.div_rn(tl.full(stored.shape, 1.0, tl.float32), stored), 0.0)
