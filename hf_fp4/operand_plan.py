@@ -15,11 +15,12 @@ from .scales import ScaleRule
 from .spec import QuantSpec, Rounding
 
 FORMS = ("hp", "fp32", "fp8", "bf16")
-#: The FP8 form's reference exponents (and GEMM scales) are per operand row and per FP8_CHUNK columns of the
-#: contraction: cuBLAS's 1x128 block scaling (torch._scaled_mm with [rows, K/128] FP32 scales).  A block is
-#: lost to E4M3 only when its chunk's largest block is more than DMAX binades above it -- per whole row, as
-#: trained activations and gradients spread out along T, nearly every wgrad row had such a block.
-FP8_CHUNK = 128
+#: The FP8 form's reference exponents (and GEMM scales) are per operand row: cuBLAS's row-scaled FP8 GEMM.
+#: Finer 1x128 block scales (fewer lost blocks along T) were measured and dropped
+#: (benchmarks/results-2026-12-02.md): cuBLAS's block-scaled GEMM is 1.3-1.65x slower than row-scaled and no
+#: more exact -- on operands spanning E4M3's range within a row both exceed the FP32 accumulation bound (the
+#: FP8 tensor cores' reduced-precision accumulation); a Triton GEMM that promotes every step is exact but
+#: slower than BF16.
 #: The forms the Triton kernels make (the others: "hp" is the tensor itself, "fp32" the reference values).
 KERNEL_FORMS = ("fp8", "bf16")
 
@@ -68,15 +69,14 @@ class OperandPlan:
 
     @property
     def stat(self) -> int:
-        """What the kernels' statistics pass reduces: 0 nothing, 1 per operand row and FP8_CHUNK columns,
-        2 the tensor."""
+        """What the kernels' statistics pass reduces: 0 nothing, 1 per operand row, 2 the tensor."""
         if self.spec is not None and self.spec.scale is ScaleRule.UE4M3_FP32:
             return 2
         return 1 if self.form == "fp8" else 0
 
     def shape(self, rows: int, k: int) -> tuple[int, int]:
-        """Allocated [rows, k] of a fast operand: rows to 16, k to the GEMM's alignment (FP8: whole chunks)."""
-        return round_up(rows, 16), round_up(k, max(self.k_align, FP8_CHUNK) if self.form == "fp8" else self.k_align)
+        """Allocated [rows, k] of a fast operand: rows to 16, k to the GEMM's alignment."""
+        return round_up(rows, 16), round_up(k, self.k_align)
 
     @property
     def stochastic(self) -> bool:
@@ -98,9 +98,8 @@ class OperandPlan:
 
 
 class Operand(NamedTuple):
-    """fp32/hp: data only (scale = 1); bf16: data + FP32 tensor scale; fp8: E4M3 data, FP32 scales per row and
-    FP8_CHUNK columns ([rows, k / FP8_CHUNK], column-major as cuBLAS wants them), and the lost-block parts
-    (side values, block exponents, row flags + a last "any row" flag; kernels/operand.py).  Unused: empty."""
+    """fp32/hp: data only (scale = 1); bf16: data + FP32 tensor scale; fp8: E4M3 data, FP32 row scales, and the
+    lost-block parts (side values, block exponents, row flags + a last "any row" flag; kernels/operand.py).  Unused: empty."""
 
     data: torch.Tensor
     scale: torch.Tensor
@@ -122,7 +121,7 @@ def empty_operand(plan: OperandPlan, rows: int, k: int, device, dtype=torch.floa
     r, c = plan.shape(rows, k)
     if plan.form == "fp8":
         return Operand(torch.empty(r, c, dtype=torch.float8_e4m3fn, device=device),
-                       torch.empty(c // FP8_CHUNK, r, dtype=torch.float32, device=device).t(),
+                       torch.empty(r, dtype=torch.float32, device=device),
                        torch.empty(r, c, dtype=torch.float8_e4m3fn, device=device),
                        torch.full((r, c // plan.spec.block[1]), -128, dtype=torch.int8, device=device),
                        torch.zeros(r + 1, dtype=torch.int8, device=device))  # [r]: any row flagged

@@ -33,7 +33,7 @@ from typing import Optional
 import torch
 
 from .hadamard import apply_hadamard
-from .operand_plan import (FP8_CHUNK, FORMS, KERNEL_FORMS, Operand, OperandPlan, empty_operand,  # noqa: F401
+from .operand_plan import (FORMS, KERNEL_FORMS, Operand, OperandPlan, empty_operand,  # noqa: F401
                            fp8_capable, fp8_dmax, fp8_shift, round_up)
 from .quantize import quantize
 from .recipe import GemmSpec, LinearRecipe
@@ -65,7 +65,7 @@ def operand_values(op: Operand, plan: OperandPlan, rows: int, k: int) -> torch.T
     width = k + (-k % plan.hadamard if plan.hadamard else 0)
     if plan.form == "bf16":
         return (op.data.float() * op.scale)[:rows, :width]
-    values = op.data.float() * op.scale.repeat_interleave(FP8_CHUNK, 1)
+    values = op.data.float() * op.scale[:, None]
     lost = (op.eb != -128).repeat_interleave(plan.spec.block[1], 1)
     side = op.side.float() * torch.exp2(op.eb.float() - fp8_shift(plan.spec.grid)).repeat_interleave(
         plan.spec.block[1], 1)

@@ -1,10 +1,13 @@
 """The GEMM of two FP8 operands (kernels/operand.py), exact and without host synchronisation.
 
-`fp8_gemm(a, b, m, n, out_dtype)` computes a [M, K] @ b [N, K]^T from the E4M3 data and the scales per
-row and FP8_CHUNK (128) columns:
+`fp8_gemm(a, b, m, n, out_dtype)` computes a [M, K] @ b [N, K]^T from the E4M3 data and row scales:
 
-1. `torch._scaled_mm` on the FP8 tensor cores with 1x128 block scales (cuBLAS >= 12.9 on Hopper): each
-   chunk's partial product in FP32, times its two power-of-two scales (exact), summed in FP32;
+1. `torch._scaled_mm` on the FP8 tensor cores, FP32 accumulation; row-wise scales when the output is
+   BF16 (cuBLASLt applies them in FP32), otherwise unit scales with FP32 output and the outer
+   product of the row scales applied after (powers of two: exact).  The FP8 tensor cores accumulate
+   with reduced precision: within FP32 accumulation error only while each step's products span a
+   limited range (benchmarks/results-2026-12-02.md; 1x128 block scales were measured and dropped,
+   hf_fp4/operand_plan.py);
 2. a correction launch that recomputes exactly, from the E4M3 data, the `side` values and the block
    exponents, every output tile that touches a row flagged as holding a block below E4M3's range,
    and overwrites it.  The recomputation runs on the BF16 tensor cores: every exact operand value is
@@ -19,18 +22,13 @@ row and FP8_CHUNK (128) columns:
 from __future__ import annotations
 
 import functools
-import warnings
 
 import torch
 import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
-from hf_fp4.operand_plan import FP8_CHUNK
-
 from .numerics import pow2
-
-CHUNK = tl.constexpr(FP8_CHUNK)
 
 
 @triton.jit
@@ -40,12 +38,12 @@ def _exact_values(data_ptr, side_ptr, eb_ptr, scale_ptr, rows, ks, n_rows, K,
     inside = (rows[:, None] < n_rows) & (ks[None, :] < K)
     offs = rows[:, None].to(tl.int64) * K + ks[None, :]
     main = tl.load(data_ptr + offs, mask=inside, other=0.0).to(tl.float32)
-    scale = tl.load(scale_ptr + (ks // CHUNK)[None, :] * n_rows + rows[:, None], mask=inside, other=0.0)
+    row_scale = tl.load(scale_ptr + rows, mask=rows < n_rows, other=0.0)
     eb = tl.load(eb_ptr + rows[:, None].to(tl.int64) * (K // BLC) + ks[None, :] // BLC, mask=inside,
                  other=-128).to(tl.int32)
     lost = eb != -128
     side = tl.load(side_ptr + offs, mask=inside & lost, other=0.0).to(tl.float32)
-    return tl.where(lost, side * pow2(tl.where(lost, eb, 0) - SHIFT), main * scale)
+    return tl.where(lost, side * pow2(tl.where(lost, eb, 0) - SHIFT), main * row_scale[:, None])
 
 
 @triton.jit
@@ -119,40 +117,20 @@ def correct_lost_tiles(out: torch.Tensor, a, b, a_blc: int, a_shift: int, b_blc:
 
 
 def scaled_mm(a, b, m: int, n: int, out_dtype: torch.dtype) -> torch.Tensor:
-    """Step 1: the FP8 product with 1 x FP8_CHUNK block scales (CUDA: `torch._scaled_mm`, cuBLAS's block
-    scaling: each chunk's FP32 partial product times its two power-of-two scales; CPU: the same in FP32)."""
+    """Step 1: the FP8 product with row scales (CUDA: `torch._scaled_mm`; CPU: the same in FP32)."""
     if a.data.shape[1] != b.data.shape[1]:
         raise ValueError(f"operand widths differ: {a.data.shape[1]} vs {b.data.shape[1]}")
-    def values(op, dtype):  # E4M3 value x power of two: exact in FP32 and in BF16
-        return (op.data.float() * op.scale.repeat_interleave(FP8_CHUNK, 1)).to(dtype)
-
-    if not a.data.is_cuda:  # the interpreter's path (tests)
-        return (values(a, torch.float32) @ values(b, torch.float32).t())[:m, :n].to(out_dtype)
-    if not blockwise_fp8(a.data.device.index or 0):  # exact too, at BF16 speed
-        return torch.mm(values(a, torch.bfloat16)[:m], values(b, torch.bfloat16)[:n].t(),
-                        out_dtype=torch.float32).to(out_dtype)
-    out = torch._scaled_mm(a.data, b.data.t(), scale_a=a.scale, scale_b=b.scale.t(), out_dtype=out_dtype)
+    if not a.data.is_cuda:  # the interpreter's path (tests): FP8 values are exact in FP32
+        out = (a.data.float() * a.scale[:, None]) @ (b.data.float() * b.scale[:, None]).t()
+        return out[:m, :n].to(out_dtype)
+    if out_dtype == torch.bfloat16:
+        out = torch._scaled_mm(a.data, b.data.t(), scale_a=a.scale[:, None], scale_b=b.scale[None, :],
+                               out_dtype=torch.bfloat16)
+    else:
+        one = torch.ones((), device=a.data.device)
+        out = torch._scaled_mm(a.data, b.data.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+        out = (out * a.scale[:, None] * b.scale[None, :]).to(out_dtype)
     return out[:m, :n]
-
-
-@functools.lru_cache(maxsize=None)
-def blockwise_fp8(device_index: int) -> bool:
-    """Whether torch._scaled_mm takes 1 x FP8_CHUNK block scales on this GPU (cuBLAS >= 12.9 on Hopper);
-    asked once per device, with a small product.  Without it the FP8 GEMMs run exactly in BF16, with a
-    warning."""
-    dev = torch.device("cuda", device_index)
-    k = 2 * FP8_CHUNK  # two chunks: not mistaken for row-wise scales
-    a = torch.ones(16, k, device=dev).to(torch.float8_e4m3fn)
-    scale = torch.ones(k // FP8_CHUNK, 16, device=dev).t()  # [16, 2], column-major as cuBLAS wants it
-    try:
-        out = torch._scaled_mm(a, a.t(), scale_a=scale, scale_b=scale.t(), out_dtype=torch.float32)
-        problem = None if bool((out == k).all()) else "it gave a wrong product"
-    except (RuntimeError, ValueError, NotImplementedError) as err:
-        problem = f"it is not supported: {err}"
-    if problem:
-        warnings.warn(f"hf_fp4: torch._scaled_mm with 1x{FP8_CHUNK} block scales: {problem}; the MX family's FP8 "
-                      "GEMMs run exactly in BF16 instead (slower)")
-    return problem is None
 
 
 def fp8_gemm(a, b, m: int, n: int, out_dtype: torch.dtype, a_blc: int, a_shift: int, b_blc: int,

@@ -5,9 +5,8 @@ along T; W: fprop along K and dgrad along N).  `triton_operands(t, plans, ...)` 
 of each orientation in two passes over t:
 
 1. the stats pass reads t once and, per orientation, reduces what its scale rule needs: the tensor
-   amax (two-level UE4M3 + FP32 scales) or the amax of every row of the operand per CHUNK (128)
-   contraction columns (E8M0 scales folded into FP8, below); rotated first when the orientation has a
-   Hadamard transform;
+   amax (two-level UE4M3 + FP32 scales) or the amax of every row of the operand (E8M0 scales folded
+   into FP8, below); rotated first when the orientation has a Hadamard transform;
 2. the operand pass reads t once more and writes both operands: "A" = the rows of t (blocks along
    C) and "B" = the rows of t^T (blocks along R), through a register transpose of the same tile.
 
@@ -15,11 +14,10 @@ Operand forms (bit-exact with the reference values, `hf_fp4.quantize` then `dequ
 
 * `bf16`: v * s_b (UE4M3 block scale: 8 significant bits at most) or v * 2^e (E8M0), exact in BF16;
   the FP32 tensor decode scale goes to the GEMM;
-* `fp8`: E8M0 scales on a 4-bit grid folded into E4M3 against a reference exponent per operand row and
-  chunk of 128 contraction columns, e_ref = the chunk's largest block exponent in that row (2D blocks:
-  in the block's rows): v * 2^(e_b - e_ref + SHIFT), GEMM scale 2^(e_ref - SHIFT) per (row, chunk), as
-  cuBLAS's 1x128 block scaling takes it (SHIFT = floor(log2(448 / grid max))).  Exact while
-  e_ref - e_b <= DMAX (E4M3's subnormals run out below).  A block further down is "lost": its FP8 value is 0, its exact value v * 2^SHIFT goes
+* `fp8`: E8M0 scales on a 4-bit grid folded into E4M3 against a reference exponent per operand row,
+  e_ref = the row's largest block exponent (2D blocks: of the block's rows): v * 2^(e_b - e_ref + SHIFT),
+  GEMM row scale 2^(e_ref - SHIFT) (SHIFT = floor(log2(448 / grid max))).  Exact while e_ref - e_b <= DMAX
+  (E4M3's subnormals run out below).  A block further down is "lost": its FP8 value is 0, its exact value v * 2^SHIFT goes
   to the `side` buffer with its exponent in `eb` (-128 elsewhere), and its row is flagged.  The GEMM
   front end (gemm.py) recomputes every output tile that touches a flagged row exactly -- decided on
   the device, with no host synchronisation.
@@ -34,14 +32,12 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
-from hf_fp4.operand_plan import FP8_CHUNK, Operand, OperandPlan, empty_operand, fp8_dmax, fp8_shift
+from hf_fp4.operand_plan import Operand, OperandPlan, empty_operand, fp8_dmax, fp8_shift
 from hf_fp4.spec import Rounding
 
 from .numerics import (block_max, capped_reciprocal, e8m0_exponent, expand_blocks, grid_constants, hadamard, pow2,
                        round_grid, sr_uniforms, tensor_encode_scale, ue4m3_block_scale)
 from .quant import SCALE_CODES, load_tile
-
-CHUNK = tl.constexpr(FP8_CHUNK)  # contraction columns per FP8 reference exponent (and cuBLAS block scale)
 
 
 @triton.jit
@@ -51,31 +47,22 @@ def _finite_abs(x):
 
 
 @triton.jit
-def _fold_stat(a, stat_ptr, rows, n_rows, ld, k0, BM: tl.constexpr, BK: tl.constexpr, STAT: tl.constexpr,
-               TRANSPOSED: tl.constexpr):
-    """Fold |values| of an orientation into its statistic (atomic max): STAT 1 per operand row and CHUNK
-    contraction columns, at stat[chunk * ld + row]; STAT 2 the tensor.  a is the [BM rows, BK columns] tile
-    of the operand starting at contraction column k0, or its transpose [BK, BM] when TRANSPOSED (reduced
+def _fold_stat(a, stat_ptr, rows, n_rows, STAT: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """Fold |values| of an orientation into its statistic (atomic max): STAT 1 per operand row, STAT 2 the
+    tensor.  a is the [rows, contraction] tile of the operand, or its transpose when TRANSPOSED (reduced
     where it lies, without a register transpose)."""
     if STAT == 2:
         tl.atomic_max(stat_ptr, tl.max(tl.max(a, axis=1), axis=0))
-    elif BK <= CHUNK:  # the tile lies in one chunk (tiles and chunks are powers of two)
-        tl.atomic_max(stat_ptr + (k0 // CHUNK) * ld + rows, tl.max(a, axis=0 if TRANSPOSED else 1),
-                      mask=rows < n_rows)
-    else:  # wider than a chunk: only a tile grown for a 256 Hadamard, which is reduced in operand layout
-        tl.static_assert(not TRANSPOSED, "a stats tile reduced in place spans at most one chunk")
-        NCH: tl.constexpr = BK // CHUNK
-        chunks = k0 // CHUNK + tl.arange(0, NCH)
-        m = tl.max(tl.reshape(a, [BM, NCH, CHUNK]), axis=2)
-        tl.atomic_max(stat_ptr + chunks[None, :] * ld + rows[:, None], m, mask=(rows < n_rows)[:, None])
+    else:
+        tl.atomic_max(stat_ptr + rows, tl.max(a, axis=0 if TRANSPOSED else 1), mask=rows < n_rows)
 
 
 @triton.jit
-def _stats_kernel(t_ptr, R, C, s_r, s_c, mu_ptr, a_stat, a_signs, a_ld, b_stat, b_signs, b_ld,
+def _stats_kernel(t_ptr, R, C, s_r, s_c, mu_ptr, a_stat, a_signs, b_stat, b_signs,
                   BR: tl.constexpr, BC: tl.constexpr, HAS_MU: tl.constexpr, EVEN: tl.constexpr,
                   A_STAT: tl.constexpr, A_H: tl.constexpr, A_HSCALE: tl.constexpr, A_SIGNS: tl.constexpr,
                   B_STAT: tl.constexpr, B_H: tl.constexpr, B_HSCALE: tl.constexpr, B_SIGNS: tl.constexpr):
-    """Per-(row, chunk) / tensor amax of each orientation from one read of t.  An orientation without a
+    """Per-row / tensor amax of each orientation from one read of t.  An orientation without a
     Hadamard reduces the tile where it lies (B's rows are t's columns: a max over axis 0, no transpose)."""
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     cols = tl.program_id(1) * BC + tl.arange(0, BC)
@@ -86,15 +73,15 @@ def _stats_kernel(t_ptr, R, C, s_r, s_c, mu_ptr, a_stat, a_signs, a_ld, b_stat, 
     if A_STAT > 0:
         if A_H > 0:
             a_rot = _finite_abs(hadamard(x, a_signs, BR, BC, A_H, A_HSCALE, A_SIGNS))
-            _fold_stat(a_rot, a_stat, rows, R, a_ld, tl.program_id(1) * BC, BR, BC, A_STAT, False)
+            _fold_stat(a_rot, a_stat, rows, R, A_STAT, False)
         else:
-            _fold_stat(a, a_stat, rows, R, a_ld, tl.program_id(1) * BC, BR, BC, A_STAT, False)
+            _fold_stat(a, a_stat, rows, R, A_STAT, False)
     if B_STAT > 0:
         if B_H > 0:
             b_rot = _finite_abs(hadamard(tl.trans(x), b_signs, BC, BR, B_H, B_HSCALE, B_SIGNS))
-            _fold_stat(b_rot, b_stat, cols, C, b_ld, tl.program_id(0) * BR, BC, BR, B_STAT, False)
+            _fold_stat(b_rot, b_stat, cols, C, B_STAT, False)
         else:
-            _fold_stat(a, b_stat, cols, C, b_ld, tl.program_id(0) * BR, BC, BR, B_STAT, True)
+            _fold_stat(a, b_stat, cols, C, B_STAT, True)
 
 
 @triton.jit
@@ -122,19 +109,14 @@ def _emit(x, rows, cols, col0, first_tile, out_ptr, n_rows, n_cols, stat_ptr, sc
     if SCALE == 0 or SCALE == 1:  # E8M0 (floor or ceil)
         e = e8m0_exponent(amax, SCALE == 1, QM, QE, EMAX)
         encode = pow2(-e)
-        if FP8:  # reference exponent: the largest block of the block's (row, chunk), from the stats pass
-            bstart = col0 + tl.arange(0, NBK) * BLC
-            at = (bstart // CHUNK)[None, :] * n_rows + rows[:, None]  # [BM, NBK]: stat / scale of each block
-            in_op = (rows < n_rows)[:, None] & (bstart < n_cols)[None, :]
-            ref_amax = tl.load(stat_ptr + at, mask=in_op, other=0.0)
-            e_ref = e8m0_exponent(tl.max(tl.reshape(ref_amax, [NBM, BLR, NBK]), axis=1), SCALE == 1, QM, QE, EMAX)
-            lost = (amax > 0) & (e_ref - e > DMAX) & ~bad
-            factor = tl.where(lost, 0.0, pow2(tl.maximum(e - e_ref + SHIFT, -149)))
-            e_rows = e_ref
-            if BLR > 1:
-                e_rows = tl.reshape(tl.broadcast_to(tl.reshape(e_ref, [NBM, 1, NBK]), [NBM, BLR, NBK]), [BM, NBK])
-            tl.store(scale_ptr + at, pow2(e_rows - SHIFT),  # written by each chunk's first block
-                     mask=in_op & ((bstart % CHUNK) == 0)[None, :])
+        if FP8:  # reference exponent: the largest block of the block's rows, from the stats pass
+            row_amax = tl.load(stat_ptr + rows, mask=rows < n_rows, other=0.0)
+            e_ref = e8m0_exponent(tl.max(tl.reshape(row_amax, [NBM, BLR]), axis=1), SCALE == 1, QM, QE, EMAX)
+            lost = (amax > 0) & (e_ref[:, None] - e > DMAX) & ~bad
+            factor = tl.where(lost, 0.0, pow2(tl.maximum(e - e_ref[:, None] + SHIFT, -149)))
+            if col0 == 0:  # the row scale, written by the row's first tile
+                e_rows = tl.reshape(tl.broadcast_to(e_ref[:, None], [NBM, BLR]), [BM])
+                tl.store(scale_ptr + rows, pow2(e_rows - SHIFT), mask=rows < n_rows)
         else:
             factor = pow2(e)
     else:  # UE4M3 block scale + FP32 tensor scale
@@ -306,18 +288,14 @@ def triton_operands(t: torch.Tensor, plans: tuple[OperandPlan | None, OperandPla
     # several argument slots of a user Triton kernel may be copied once per slot.
     unused = torch.empty(1, dtype=torch.float32, device=dev)
     stats = []
-    lds = [0, 0]
-    for i, (plan, (rows, k)) in enumerate(zip(plans, dims)):  # per-(row, chunk): the allocated (padded) rows
-        n = 0
-        if plan is not None and plan.stat:
-            lds[i], k_alloc = plan.shape(rows, k)
-            n = lds[i] * (k_alloc // FP8_CHUNK) if plan.stat == 1 else 1
+    for plan, (rows, k) in zip(plans, dims):  # per-row statistics cover the allocated (padded) rows
+        n = 0 if plan is None or plan.stat == 0 else (plan.shape(rows, k)[0] if plan.stat == 1 else 1)
         stats.append(torch.zeros(n, dtype=torch.float32, device=dev) if n else unused)
     mu_t = mu.to(torch.float32) if mu is not None else unused
     signs_t = [s.to(device=dev, dtype=torch.float32) if s is not None else unused for s in signs]
     if any(p is not None and p.stat for p in plans):
         wrap_triton(_stats_kernel)[(triton.cdiv(R, sbr), triton.cdiv(C, sbc))](
-            t, R, C, s_r, s_c, mu_t, stats[0], signs_t[0], lds[0], stats[1], signs_t[1], lds[1],
+            t, R, C, s_r, s_c, mu_t, stats[0], signs_t[0], stats[1], signs_t[1],
             BR=sbr, BC=sbc, HAS_MU=mu is not None, EVEN=R % sbr == 0 and C % sbc == 0, num_warps=swarps,
             **stat_flags)
     args, cover = [], [0, 0]
@@ -331,7 +309,7 @@ def triton_operands(t: torch.Tensor, plans: tuple[OperandPlan | None, OperandPla
         data = op.data.view(torch.uint8) if fp8 else op.data  # FP8 written as bits (NaN = 0x7F)
         side, eb, flags = (op.side.view(torch.uint8), op.eb, op.flags) if fp8 else (unused, unused, unused)
         args += [data, r_alloc, k_alloc, stat, op.scale, seeds[i:], s, side, eb, flags, plan.k_padded(k)]
-    # every tile inside t and inside both allocations (not padded past t: FP8 pads k to whole chunks): no masks
+    # every tile inside t and inside both allocations (not padded past t): no masks
     even = R % br == 0 and C % bc == 0 and tuple(cover) == (R, C)
     wrap_triton(_operand_kernel)[(triton.cdiv(cover[0], br), triton.cdiv(cover[1], bc))](
         t, R, C, s_r, s_c, mu_t, *args, BR=br, BC=bc, HAS_MU=mu is not None, EVEN=even,

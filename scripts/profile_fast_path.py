@@ -21,11 +21,16 @@ import dataclasses
 import functools
 
 import torch
+import triton
+import triton.language as tl
 from torch import nn
 
 import hf_fp4
 from hf_fp4 import FP4Linear, QuantSpec, preset
 from hf_fp4.operands import OperandPlan, operands
+
+FP8_CHUNK = 128  # the block-scale width of the 1x128 FP8 GEMMs measured (and dropped) by --gemm, --triton-gemm
+CHUNK = tl.constexpr(FP8_CHUNK)
 
 
 def plan(name, form, h=0, sr=False):
@@ -83,10 +88,19 @@ def main():
     p.add_argument("--copies", default=None,
                    help="comma list of impls: inductor's kernels of one compiled 1.1B block's train step, by stores")
     p.add_argument("--code-dir", default=None, help="--copies: write each impl's generated code here")
+    p.add_argument("--gemm", action="store_true",
+                   help="FP8 GEMM time by scale granularity (tensor, row, 1x128 block) against BF16, per GEMM shape")
+    p.add_argument("--triton-gemm", action="store_true", help="a Triton 1x128 FP8 GEMM: exactness and time")
     p.add_argument("--mutations", action="store_true",
                    help="which arguments torch.compile believes each kernel writes (it copies those inputs)")
     args = p.parse_args()
     dev = "cuda"
+    if args.gemm:
+        gemm_granularity(dev)
+        return
+    if args.triton_gemm:
+        triton_blockwise_probe(dev)
+        return
     if args.mutations:
         mutations(dev)
         return
@@ -149,6 +163,134 @@ def main():
                 step()
             torch.cuda.synchronize()
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+
+
+def gemm_granularity(dev: str, tokens: int = 8192) -> None:
+    """The three GEMMs of a linear layer at bench.py's shapes: bf16 torch.mm against torch._scaled_mm with
+    tensor-wise, row-wise and 1x128 block scales (graph-replay ms)."""
+    print("| K x N | GEMM (M x N x K) | bf16 | fp8 tensor | fp8 row | fp8 1x128 |")
+    print("|---|---|---|---|---|---|")
+    for k, n in ((4096, 4096), (4096, 14336), (14336, 4096)):
+        for role, (m, nn_, kk) in (("fprop", (tokens, n, k)), ("dgrad", (tokens, k, n)), ("wgrad", (n, k, tokens))):
+            a = torch.randn(m, kk, device=dev, dtype=torch.bfloat16)
+            b = torch.randn(nn_, kk, device=dev, dtype=torch.bfloat16)
+            a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
+            one = torch.ones((), device=dev)
+            ra, rb = torch.ones(m, 1, device=dev), torch.ones(1, nn_, device=dev)
+            ba = torch.ones(kk // FP8_CHUNK, m, device=dev).t()
+            bb = torch.ones(kk // FP8_CHUNK, nn_, device=dev)
+            runs = {"bf16": lambda: a @ b.t(),
+                    "tensor": lambda: torch._scaled_mm(a8, b8.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
+                    "row": lambda: torch._scaled_mm(a8, b8.t(), scale_a=ra, scale_b=rb, out_dtype=torch.bfloat16),
+                    "block": lambda: torch._scaled_mm(a8, b8.t(), scale_a=ba, scale_b=bb, out_dtype=torch.bfloat16)}
+            cells = []
+            for what, fn in runs.items():
+                try:
+                    cells.append(f"{graph_ms(fn):.3f}")
+                except RuntimeError as err:
+                    cells.append(f"error: {str(err)[:60]}")
+            print(f"| {k}x{n} | {role} {m}x{nn_}x{kk} | " + " | ".join(cells) + " |")
+
+
+@triton.jit
+def _blockwise_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, out_ptr, M, N, K, MA, NB, ld_out,
+                      BM: tl.constexpr, BN: tl.constexpr, GROUP: tl.constexpr, IMPRECISE: tl.constexpr,
+                      OUT_BF16: tl.constexpr):
+    """out [M, N] = sum over CHUNK-column chunks of (a_chunk @ b_chunk^T) * scale_a * scale_b: each chunk's
+    product from the FP8 tensor cores into a fresh FP32 tile, scaled by its two powers of two (exact) and
+    added in FP32.  a [MA, K], b [NB, K] E4M3 (K whole chunks), scales [rows, K / CHUNK] column-major."""
+    pid = tl.program_id(0)
+    n_m, n_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
+    per_group = GROUP * n_n
+    first = (pid // per_group) * GROUP
+    size = tl.minimum(n_m - first, GROUP)
+    pm = first + (pid % per_group) % size
+    pn = (pid % per_group) // size
+    rows = pm * BM + tl.arange(0, BM)
+    cols = pn * BN + tl.arange(0, BN)
+    ks = tl.arange(0, CHUNK)
+    a_ptrs = a_ptr + rows[:, None].to(tl.int64) * K + ks[None, :]
+    b_ptrs = b_ptr + cols[:, None].to(tl.int64) * K + ks[None, :]
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for c in range(0, K // CHUNK):
+        a = tl.load(a_ptrs, mask=rows[:, None] < MA, other=0.0)
+        b = tl.load(b_ptrs, mask=cols[:, None] < NB, other=0.0)
+        sa = tl.load(sa_ptr + c * MA + rows, mask=rows < MA, other=0.0)
+        sb = tl.load(sb_ptr + c * NB + cols, mask=cols < NB, other=0.0)
+        part = tl.dot(a, tl.trans(b), max_num_imprecise_acc=IMPRECISE)
+        acc += part * sa[:, None] * sb[None, :]
+        a_ptrs += CHUNK
+        b_ptrs += CHUNK
+    mask = (rows[:, None] < M) & (cols[None, :] < N)
+    optr = out_ptr + rows[:, None].to(tl.int64) * ld_out + cols[None, :]
+    tl.store(optr, acc.to(tl.bfloat16) if OUT_BF16 else acc, mask=mask)
+
+
+def triton_blockwise(a_data, a_scale, b_data, b_scale, m, n, out_dtype, tile=(128, 128), group=8, imprecise=None,
+                     warps=8, stages=3):
+    """The FP8 product with 1 x 128 block scales as one Triton kernel (a measured and dropped candidate)."""
+    out = torch.empty(m, n, dtype=out_dtype, device=a_data.device)
+    bm, bn = tile
+    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+    _blockwise_kernel[grid](a_data, b_data, a_scale, b_scale, out, m, n, a_data.shape[1], a_data.shape[0],
+                            b_data.shape[0], out.stride(0), BM=bm, BN=bn, GROUP=group, IMPRECISE=imprecise,
+                            OUT_BF16=out_dtype == torch.bfloat16, num_warps=warps, num_stages=stages)
+    return out
+
+
+def triton_blockwise_probe(dev: str, tokens: int = 8192) -> None:
+    """Candidate Triton 1x128 FP8 GEMM: exact (FP32 accumulation bound) on operands whose chunks lie 2^+-20
+    apart and whose values span E4M3's range, per variant; then graph-replay ms at bench.py's shapes
+    against cuBLAS row-wise and 1x128."""
+    import sys
+    sys.path.insert(0, "tests")
+    from exactness import assert_within_accumulation_error
+    def operand(rows, k, g):
+        codes = torch.tensor([0.5, 1, 1.5, 2, 3, 4, 6, -0.5, -1, -1.5, -2, -3, -4, -6, 0], device=dev)
+        v = codes[torch.randint(0, 15, (rows, k), device=dev, generator=g)]
+        v = v * torch.exp2(torch.randint(-6, 6, (rows, k // 32), device=dev, generator=g).float()).repeat_interleave(32, 1)
+        scale = torch.exp2(torch.randint(-20, 20, (k // FP8_CHUNK, rows), device=dev, generator=g).float())
+        return v.to(torch.float8_e4m3fn), scale.t()
+
+    g = torch.Generator(device=dev).manual_seed(0)
+    a, sa = operand(256, 1024, g)
+    b, sb = operand(384, 1024, g)
+    exact = lambda d, s: d.float() * s.repeat_interleave(FP8_CHUNK, 1)  # noqa: E731
+    variants = {"imprecise=None": dict(), "imprecise=0": dict(imprecise=0), "imprecise=32": dict(imprecise=32),
+                "imprecise=128": dict(imprecise=128)}
+    for name, kw in variants.items():
+        for out_dtype in (torch.float32, torch.bfloat16):
+            try:
+                assert_within_accumulation_error(triton_blockwise(a, sa, b, sb, 256, 384, out_dtype, **kw),
+                                                 exact(a, sa), exact(b, sb), name)
+                print(f"{name} {out_dtype}: exact")
+            except AssertionError as err:
+                print(f"{name} {out_dtype}: NOT exact: {str(err)[-90:]}")
+    try:
+        out = torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb.t(), out_dtype=torch.float32)
+        assert_within_accumulation_error(out, exact(a, sa), exact(b, sb), "cublas 1x128")
+        print("cublas 1x128: exact")
+    except AssertionError as err:
+        print(f"cublas 1x128: NOT exact: {str(err)[-90:]}")
+    print("| GEMM (M x N x K) | cublas row | cublas 1x128 | triton variants (tile, warps, stages, imprecise) ... |")
+    configs = [((128, 128), 8, 3, None), ((128, 256), 8, 3, None), ((128, 128), 4, 4, None),
+               ((128, 256), 8, 3, 32), ((128, 128), 8, 3, 0), ((256, 128), 8, 3, None)]
+    for k, n in ((4096, 4096), (4096, 14336), (14336, 4096)):
+        for m, nn_, kk in ((tokens, n, k), (tokens, k, n), (n, k, tokens)):
+            a, sa = operand(m, kk, g)
+            b, sb = operand(nn_, kk, g)
+            cells = [graph_ms(lambda: torch._scaled_mm(a, b.t(), scale_a=torch.ones(m, 1, device=dev),
+                                                       scale_b=torch.ones(1, nn_, device=dev),
+                                                       out_dtype=torch.bfloat16)),
+                     graph_ms(lambda: torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb.t(), out_dtype=torch.bfloat16))]
+            for tile, w, st, imp in configs:
+                try:
+                    cells.append(graph_ms(lambda: triton_blockwise(a, sa, b, sb, m, nn_, torch.bfloat16, tile=tile,
+                                                                   warps=w, stages=st, imprecise=imp)))
+                except Exception as err:  # noqa: BLE001
+                    print(f"  {tile} {w} {st} {imp}: {type(err).__name__} {str(err)[:80]}")
+                    cells.append(float("nan"))
+            print(f"| {m}x{nn_}x{kk} | " + " | ".join(f"{c:.3f}" for c in cells) + " |", flush=True)
 
 
 def profile_e2e(name: str, steps: int = 3) -> None:
