@@ -249,12 +249,15 @@ def linear_impls(k, n, dev, names):
             yield name, layer
 
 
-def spread_rows(t: torch.Tensor, octaves: float = 12.0) -> torch.Tensor:
-    """Each row (token) scaled by 2^u, u uniform in [-octaves, octaves]: the spread of a trained model's
-    activations and gradients, which puts blocks of one wgrad row (along T) beyond E4M3's reach."""
+def spread_rows(t: torch.Tensor, octaves: float = 12.0, run: int = 64) -> torch.Tensor:
+    """Each run of `run` consecutive rows (tokens) scaled by one 2^u, u uniform in [-octaves, octaves]: the
+    spread of a trained model's activations and gradients along T.  Whole 32-token blocks of a wgrad row
+    then lie more than 14 binades below the row's largest (the FP8 form's lost blocks, recomputed by the
+    correction).  (Scaling each token on its own almost never did: a block's maximum over 32 tokens stays
+    near the row's, so the correction was never timed -- benchmarks/results-2026-12-02.md.)"""
     g = torch.Generator(device=t.device).manual_seed(t.shape[1])
-    u = torch.rand(t.shape[0], 1, generator=g, device=t.device) * 2 * octaves - octaves
-    return (t.float() * torch.exp2(u)).to(t.dtype)
+    u = torch.rand(-(-t.shape[0] // run), 1, generator=g, device=t.device) * 2 * octaves - octaves
+    return (t.float() * torch.exp2(u).repeat_interleave(run, 0)[:t.shape[0]]).to(t.dtype)
 
 
 def bench_linear(dev, tokens, shapes, results, names, spread=False):
@@ -278,7 +281,7 @@ def bench_linear(dev, tokens, shapes, results, names, spread=False):
             del layer
             torch.cuda.empty_cache() if dev == "cuda" else None
         table.append(row)
-    what = ", rows of x and dy spread over 2^-12..2^12 (spread_rows)" if spread else ""
+    what = ", runs of 64 rows of x and dy spread over 2^-12..2^12 (spread_rows)" if spread else ""
     return md_table(f"Linear forward + backward, {tokens} tokens{what}, bf16 (ms; speed vs bf16 nn.Linear)",
                     ["K x N"] + names, table)
 
