@@ -23,9 +23,12 @@ BACKENDS = ("inductor", "aot_eager", "eager")
 
 
 def graph_safe(model: nn.Module | None) -> bool:
-    """False for a model with FP4 attention (hf_fp4.attention): its reference path checks for non-finite
-    values on the host, which a CUDA graph cannot capture, and runs outside the compiled graph."""
-    return getattr(getattr(model, "config", None), "_attn_implementation", None) != "hf_fp4"
+    """False for a model with FP4 attention (hf_fp4.attention: its reference path checks for non-finite
+    values on the host, which a CUDA graph cannot capture, and runs outside the compiled graph) or FP4
+    experts (hf_fp4.experts: the reference path reads the routing counts on the host)."""
+    config = getattr(model, "config", None)
+    return (getattr(config, "_attn_implementation", None) != "hf_fp4"
+            and getattr(config, "_experts_implementation", None) != "hf_fp4")
 
 
 def resolve_mode(mode: str, backend: str = "inductor", model: nn.Module | None = None) -> str:

@@ -1,10 +1,12 @@
-"""The one module swap: nn.Linear -> FP4Linear, following a Recipe's layer rules."""
+"""The one module swap: nn.Linear -> FP4Linear (and MoE experts -> hf_fp4.experts), following a Recipe's
+layer rules."""
 from __future__ import annotations
 
 from typing import Callable
 
 from torch import nn
 
+from .experts import convert_experts, experts_states
 from .linear import FP4Linear
 from .recipe import GEMMS, LinearRecipe, Recipe, block_index
 
@@ -67,7 +69,8 @@ def convert_model(model: nn.Module, recipe: Recipe) -> nn.Module:
         check_layer(name, linear, linear_recipe)
         return FP4Linear.from_linear(linear, linear_recipe, name=name, seed=recipe.seed)
 
-    if swap_linear_layers(model, make) == 0 and not any(isinstance(m, FP4Linear) for m in model.modules()):
+    swapped = swap_linear_layers(model, make) + convert_experts(model, recipe, blocks)
+    if swapped == 0 and not any(isinstance(m, FP4Linear) for m in model.modules()):
         linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
         raise ValueError(f"hf_fp4: nothing to convert in {type(model).__name__}: "
                          f"{len(linears)} nn.Linear module(s) {linears[:5]}, all excluded by the recipe's "
@@ -105,13 +108,18 @@ def run_gemms_in_bf16(model: nn.Module, gemms: tuple[str, ...], base: dict[str, 
         m.recipe = base[name].with_options(gemms=tuple(g for g in GEMMS if g not in gemms))
 
 
+def _rng_modules(model: nn.Module) -> dict:
+    """Everything with an SR / random-Hadamard call counter: FP4 linears and FP4 experts."""
+    return {**fp4_modules(model), **experts_states(model)}
+
+
 def rng_state_dict(model: nn.Module) -> dict[str, int]:
     """The SR / random-Hadamard call counters, for exact resume."""
-    return {name: m.sr_calls for name, m in fp4_modules(model).items()}
+    return {name: m.sr_calls for name, m in _rng_modules(model).items()}
 
 
 def load_rng_state_dict(model: nn.Module, state: dict[str, int]) -> None:
-    modules = fp4_modules(model)
+    modules = _rng_modules(model)
     missing = set(modules) - set(state)
     if missing:
         raise ValueError(f"hf_fp4 RNG state lacks layers {sorted(missing)[:5]}")

@@ -104,11 +104,11 @@ class FP4Linear(nn.Linear):
         # Seeds and fixed sign vectors are computed here, eagerly (crc32 and torch.Generator are not
         # traceable); device copies follow the module (see _apply).  Plain attributes, not buffers:
         # they are not weights, and HF's meta-device loading leaves non-persistent buffers uninitialised.
-        self._bases = [self.seed_base(g, r) for t in ("x", "w", "dy") for g, r in ROLES[t]]
+        self._bases = seed_bases(seed, name)
+        self._rht_base = _crc(seed, name, "rht")
         self._signs_cpu = {g: self.hadamard_signs(g) for g in GEMMS
                            if self.recipe.gemm(g).hadamard.kind is not HadamardKind.RANDOM_PER_STEP}
         self._place_rng(torch.zeros((), dtype=torch.int64, device=self.weight.device))
-        self._rht_base = _crc(seed, name, "rht")
 
     # The recipe's LinearPlans (one per backend) are built eagerly whenever the recipe or the frozen
     # flag changes, so torch.compile only ever reads them.
@@ -230,13 +230,7 @@ class FP4Linear(nn.Linear):
 
     def hadamard_signs(self, gemm_name: str, step: "int | torch.Tensor" = 0) -> torch.Tensor | None:
         """The sign vector of a GEMM's Hadamard: fixed per layer (seeded by the recipe seed) or per step."""
-        h = self.recipe.gemm(gemm_name).hadamard
-        if h.kind is HadamardKind.RANDOM_FIXED:
-            return seeded_signs(h.size, self.seed)
-        if h.kind is HadamardKind.RANDOM_PER_STEP:
-            return philox_signs(step_seed(self._rht_base, step), h.size,
-                                step.device if isinstance(step, torch.Tensor) else None)
-        return None
+        return hadamard_signs(self.recipe, gemm_name, self.seed, self._rht_base, step)
 
     def _place_rng(self, step: torch.Tensor) -> None:
         """The step counter, seed bases and fixed sign vectors on step's device."""
@@ -305,6 +299,23 @@ class FP4Linear(nn.Linear):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={recipe_label(self.recipe)}"
+
+
+def seed_bases(seed: int, name: str) -> list[int]:
+    """The Philox seed bases of a layer's six operands, in ROLES order (x, w, dy; two orientations each)."""
+    return [_crc(seed, name, g, r) for t in ("x", "w", "dy") for g, r in ROLES[t]]
+
+
+def hadamard_signs(recipe: LinearRecipe, gemm_name: str, seed: int, rht_base: int,
+                   step: "int | torch.Tensor" = 0) -> torch.Tensor | None:
+    """A GEMM's Hadamard sign vector: fixed (seeded by the recipe seed), per step (Philox from the layer's
+    rht_base and the step counter), or None (no signs)."""
+    h = recipe.gemm(gemm_name).hadamard
+    if h.kind is HadamardKind.RANDOM_FIXED:
+        return seeded_signs(h.size, seed)
+    if h.kind is HadamardKind.RANDOM_PER_STEP:
+        return philox_signs(step_seed(rht_base, step), h.size, step.device if isinstance(step, torch.Tensor) else None)
+    return None
 
 
 def recipe_label(recipe: LinearRecipe) -> str:

@@ -30,6 +30,7 @@ from .compile import compile_model, uses_cuda_graphs
 from .convert import fp4_modules, load_rng_state_dict, maybe_refresh_lora_svd, rng_state_dict, run_gemms_in_bf16
 from .data import TokenWindows, atomic_write_text, fingerprint, prepare_data
 from .diagnostics import locate_non_finite
+from .experts import experts_states
 from .extras import optional
 from .integration import FP4TrainConfig
 from .optim import build_optimizer
@@ -339,7 +340,9 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> di
     if accelerator.is_main_process:
         print(f"hf_fp4: {n_params / 1e6:.2f}M parameters, recipe {cfg.recipe}, {world} process(es) "
               f"({accelerator.distributed_type.value}), "
-              f"{len(fp4_modules(accelerator.unwrap_model(model)))} FP4 linears, {tokens_per_step} tokens/step, "
+              f"{len(fp4_modules(accelerator.unwrap_model(model)))} FP4 linears, "
+              f"{sum(s.recipe.quantized for s in experts_states(accelerator.unwrap_model(model)).values())} FP4 "
+              f"experts layers, {tokens_per_step} tokens/step, "
               f"{data.train_tokens} train / {data.val_tokens} val tokens")
         atomic_write_text(run_dir / "run_info.json", json.dumps(
             {"train_tokens_available": data.train_tokens, "val_tokens": data.val_tokens,

@@ -1,0 +1,186 @@
+"""FP4 expert GEMMs of Transformers' MoE layers (hf_fp4.experts): against per-expert FP4Linear layers and
+Transformers' own experts forward, through from_config / save / from_pretrained, and bad configs."""
+import pytest
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, MixtralConfig, OlmoeConfig, Qwen3MoeConfig
+
+import hf_fp4
+from hf_fp4 import FP4Linear, FP4TrainConfig, preset
+from hf_fp4.compile import graph_safe
+from hf_fp4.convert import load_rng_state_dict, rng_state_dict
+from hf_fp4.experts import ExpertsFP4, experts_modules, experts_states
+from hf_fp4.recipe import LinearRecipe
+
+COMMON = dict(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
+ARCHS = {
+    "qwen3_moe": lambda: Qwen3MoeConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                                        decoder_sparse_step=1, head_dim=16, **COMMON),
+    "mixtral": lambda: MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **COMMON),
+    "olmoe": lambda: OlmoeConfig(num_experts=4, num_experts_per_tok=2, pad_token_id=0, eos_token_id=1,
+                                 bos_token_id=2, **COMMON),
+}
+
+
+def moe_model(arch, recipe="nvfp4", **options):
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(ARCHS[arch](), quantization_config=FP4TrainConfig(recipe, **options))
+
+
+def routing(tokens, experts, k, seed):
+    g = torch.Generator().manual_seed(seed)
+    index = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)])
+    index[:3] = torch.arange(k)  # every expert below k gets tokens; expert `experts - 1` may get few
+    weights = torch.rand(tokens, k, generator=g)
+    return index, weights
+
+
+def per_expert_layers(module, state: ExpertsFP4):
+    """Each expert's projections as FP4Linear layers of the same recipe, names and seed (FP4Linear is tested
+    against products of the spec in test_linear.py), on copies of the expert's weight slices."""
+    layers = []
+    up = "gate_up_proj" if module.has_gate else "up_proj"
+    for e in range(module.down_proj.shape[0]):
+        pair = []
+        for proj in (up, "down_proj"):
+            w = getattr(module, proj)[e].detach()
+            lin = nn.Linear(w.shape[1], w.shape[0], bias=False)
+            lin.weight = nn.Parameter(w.clone())
+            pair.append(FP4Linear.from_linear(lin, state.recipe, name=f"{state.name}.{proj}.{e}", seed=state.seed))
+        layers.append(pair)
+    return layers
+
+
+def composed_forward(module, layers, x, index, weights):
+    """The experts layer written as a loop over FP4Linear layers, tokens of each expert in sequence order."""
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    for e, (up, down) in enumerate(layers):
+        tokens, slot = torch.where(index == e)
+        if tokens.numel() == 0:
+            continue
+        h = up(x[tokens])
+        h = module._apply_gate(h) if module.has_gate else module.act_fn(h)
+        out.index_add_(0, tokens, down(h).float() * weights[tokens, slot, None])
+    return out.to(x.dtype)
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+@pytest.mark.parametrize("recipe", ["nvfp4", "mxfp4", "ufp4"])
+def test_experts_layer_equals_per_expert_fp4_linears(arch, recipe):
+    """Output, input gradient and every expert's weight gradients equal a loop over FP4Linear layers with the
+    experts' names: per-expert scales, seeds and SR streams, over two training calls."""
+    model = moe_model(arch, recipe)
+    name, module = next(iter(experts_modules(model).items()))
+    state = module.hf_fp4
+    assert model.config._experts_implementation == "hf_fp4" and state.recipe == preset(recipe).linear
+    layers = per_expert_layers(module, state)
+    up = "gate_up_proj" if module.has_gate else "up_proj"
+    for call in range(2):
+        x = torch.randn(24, 64, generator=torch.Generator().manual_seed(call), requires_grad=True)
+        index, weights = routing(24, 4, 2, seed=call)
+        g = torch.randn(24, 64, generator=torch.Generator().manual_seed(10 + call))
+        module.zero_grad()
+        y = module(x, index, weights)
+        (y * g).sum().backward()
+        x_ref = x.detach().clone().requires_grad_()
+        for pair in layers:
+            for lin in pair:
+                lin.zero_grad()
+        y_ref = composed_forward(module, layers, x_ref, index, weights)
+        (y_ref * g).sum().backward()
+        assert torch.equal(y, y_ref), f"{arch}/{recipe} call {call}: output"
+        assert torch.equal(x.grad, x_ref.grad), f"{arch}/{recipe} call {call}: dx"
+        for e, (lin_up, lin_down) in enumerate(layers):
+            assert torch.equal(getattr(module, up).grad[e], lin_up.weight.grad), f"{arch}/{recipe} dW_up[{e}]"
+            assert torch.equal(module.down_proj.grad[e], lin_down.weight.grad), f"{arch}/{recipe} dW_down[{e}]"
+    assert state.sr_calls == 2
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_unquantized_experts_equal_transformers_forward(arch):
+    """With the unquantized recipe the hf_fp4 implementation computes what Transformers' eager experts do."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(ARCHS[arch]())
+    module = next(iter(experts_modules(model).values()))
+    x = torch.randn(24, 64, requires_grad=True)
+    index, weights = routing(24, 4, 2, seed=3)
+    y_eager = module(x, index, weights)
+    gx_eager, gw_eager = torch.autograd.grad(y_eager.square().sum(), (x, module.down_proj))
+    hf_fp4.experts.register()
+    module.hf_fp4 = ExpertsFP4(LinearRecipe(), "experts", 0, 4, ("gate_up_proj", "down_proj"))
+    model.config._experts_implementation = "hf_fp4"
+    y = module(x, index, weights)
+    gx, gw = torch.autograd.grad(y.square().sum(), (x, module.down_proj))
+    torch.testing.assert_close(y, y_eager, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(gx, gx_eager, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(gw, gw_eager, rtol=1e-5, atol=1e-7)
+    model.config._experts_implementation = "eager"  # and back: the quantized run really differs
+    assert not torch.equal(moe_model(arch, "nvfp4").model.layers[0].mlp.experts(x, index, weights), y_eager)
+
+
+def test_a_moe_model_trains_saves_and_reloads_with_identical_logits(tmp_path):
+    """from_config -> a few steps -> save_pretrained -> from_pretrained (after import hf_fp4): the experts run
+    FP4 again and give the same logits; the router stays high precision; the RNG state covers the experts."""
+    model = moe_model("qwen3_moe", "nvfp4")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(0))
+    for _ in range(3):
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+        opt.step()
+        opt.zero_grad()
+    state = rng_state_dict(model)
+    assert state["model.layers.0.mlp.experts"] == 3
+    gate = model.model.layers[0].mlp.gate
+    assert not isinstance(gate, FP4Linear) and not any(isinstance(m, FP4Linear) for m in gate.modules())
+    model.eval()
+    with torch.no_grad():
+        logits = model(ids).logits
+    model.save_pretrained(tmp_path)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert not graph_safe(model)  # the reference path reads the routing on the host: no CUDA graphs
+    assert reloaded.config._experts_implementation == "hf_fp4" and set(experts_states(reloaded)) == set(
+        experts_states(model))
+    reloaded.eval()
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, logits)
+    load_rng_state_dict(reloaded, state)
+    assert experts_states(reloaded)["model.layers.1.mlp.experts"].sr_calls == 3
+    plain = moe_model("qwen3_moe", "bf16")  # what the quantization changed
+    plain.load_state_dict(model.state_dict(), strict=False)
+    plain.eval()
+    with torch.no_grad():
+        assert not torch.equal(plain(ids).logits, logits)
+
+
+def test_experts_kept_in_high_precision_by_a_rule_run_unquantized():
+    model = moe_model("mixtral", "nvfp4", rules={"keep_last_blocks": 1})
+    states = experts_states(model)
+    assert states["model.layers.0.mlp.experts"].recipe.quantized
+    assert not states["model.layers.1.mlp.experts"].recipe.quantized
+
+
+def test_bad_expert_configs_are_refused_before_training():
+    with pytest.raises(ValueError, match="LoRA-SVD is not implemented for 3D expert weights"):
+        moe_model("qwen3_moe", "nvfp4", lora_svd_rank=4)
+    with pytest.raises(ValueError, match="Hadamard size"):
+        moe_model("qwen3_moe", "ufp4", hadamard_size=128)
+
+
+def test_diagnostics_report_each_experts_operands():
+    model = moe_model("olmoe", "mxfp4")
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    with hf_fp4.collect_diagnostics() as stats:
+        model(ids, labels=ids).loss.backward()
+    experts = {k.split("/")[0] for k in stats if ".mlp.experts." in k}
+    routed = set()
+    for layer in (0, 1):  # the experts that got tokens in each layer: every one has its six operands
+        assert any(k.startswith(f"model.layers.{layer}.mlp.experts.down_proj.") for k in experts)
+    for name in experts:
+        routed.add(name)
+        for gemm, role in (("fprop", "lhs"), ("fprop", "rhs"), ("dgrad", "lhs"), ("wgrad", "rhs")):
+            sqnr = stats[f"{name}/{gemm}/{role}/sqnr_db"]
+            assert 5 < sqnr < 40, (name, gemm, role, sqnr)  # a 4-bit operand: neither exact nor noise
+    assert any(".gate_up_proj." in n for n in routed) and any(".down_proj." in n for n in routed)
