@@ -24,7 +24,7 @@ import types
 import torch
 
 from . import linear as _linear
-from .linear import FP4LinearFunction, _crc, _notify, _out_dtype, hadamard_signs, seed_bases
+from .linear import FP4Linear, FP4LinearFunction, _crc, _notify, _out_dtype, hadamard_signs, seed_bases
 from .operands import LinearPlan
 from .philox import STEP_MIX
 from .recipe import GEMMS, HadamardKind, LinearRecipe, Recipe
@@ -177,6 +177,26 @@ def convert_experts(model: torch.nn.Module, recipe: Recipe, num_blocks: int | No
         module.hf_fp4 = ExpertsFP4(linear_recipe, name, recipe.seed, module.down_proj.shape[0], projections)
     model.config._experts_implementation = IMPLEMENTATION
     return sum(r is not None and r.quantized for r in recipes.values())
+
+
+def expert_linear(module: torch.nn.Module, proj: str, e: int) -> FP4Linear:
+    """Expert e's projection `proj` as an FP4Linear of the same recipe, name and seed (a copy of its weight
+    slice, [out, in]): the weight views of FP4Linear (dequantized_weight, ...) for one expert."""
+    state: ExpertsFP4 = module.hf_fp4
+    w = getattr(module, proj)[e].detach()
+    w = w.t() if module.is_transposed else w
+    lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+    return FP4Linear.from_linear(lin, state.recipe, name=f"{state.name}.{proj}.{e}", seed=state.seed)
+
+
+def dequantized_experts_weight(module: torch.nn.Module, proj: str) -> torch.Tensor:
+    """The 3D weight (in the module's layout) that Transformers' plain experts need for the same products
+    as the FP4 fprop: every expert's Q(W R) R^T, in FP32."""
+    ws = [expert_linear(module, proj, e).dequantized_weight() for e in range(getattr(module, proj).shape[0])]
+    out = torch.stack(ws)
+    return out.transpose(1, 2) if module.is_transposed else out
 
 
 def experts_states(model: torch.nn.Module) -> dict[str, ExpertsFP4]:

@@ -5,7 +5,9 @@
   config.json carries the recipe with `packed: true`. `from_pretrained` (after `import hf_fp4`) unpacks it
   into a frozen weight and gives logits identical to the fake-quantized model.
 * `bf16`: a plain checkpoint (no quantization_config) whose linear weights are the dequantized operands
-  rotated back, Q(W R) R^T (+ B A for LoRA-SVD): plain transformers loads it without hf_fp4.
+  rotated back, Q(W R) R^T (+ B A for LoRA-SVD), MoE experts' 3D weights likewise expert by expert: plain
+  transformers loads it without hf_fp4.  (`fp4` writes the experts' master weights unpacked for now; they
+  are quantized again when the export loads, so its logits are the trained model's.)
 * `compressed-tensors`: NVFP4 weights in the layout of the `compressed-tensors` package (vLLM,
   llm-compressor): `weight_packed` (two E2M1 codes a byte, low nibble first), `weight_scale` (E4M3, one
   per 1x16 group; a 16x16 tile's scale is repeated on its 16 rows), `weight_global_scale` (= s_enc), with
@@ -26,6 +28,7 @@ import torch
 from safetensors.torch import save_file
 
 from .convert import fp4_modules
+from .experts import dequantized_experts_weight, experts_modules
 from .formats import Grid
 from .extras import require
 from .integration import FP4TrainConfig
@@ -106,6 +109,10 @@ def export_bf16(model, tokenizer, output, overwrite=False, dtype=torch.bfloat16)
         state[f"{name}.weight"] = module.dequantized_weight().to(dtype).cpu()
         for extra in ("lora_svd_A", "lora_svd_B"):
             state.pop(f"{name}.{extra}", None)
+    for name, module in experts_modules(model).items():  # MoE experts: each expert's weight operand
+        if hasattr(module, "hf_fp4") and module.hf_fp4.recipe.quantized:
+            for proj in module.hf_fp4.projections:
+                state[f"{name}.{proj}"] = dequantized_experts_weight(module, proj).to(dtype).cpu()
     state = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in state.items()}
     cfg = _plain_config(model)
     cfg["dtype"] = str(dtype).removeprefix("torch.")

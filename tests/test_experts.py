@@ -184,3 +184,21 @@ def test_diagnostics_report_each_experts_operands():
             sqnr = stats[f"{name}/{gemm}/{role}/sqnr_db"]
             assert 5 < sqnr < 40, (name, gemm, role, sqnr)  # a 4-bit operand: neither exact nor noise
     assert any(".gate_up_proj." in n for n in routed) and any(".down_proj." in n for n in routed)
+
+
+def test_bf16_export_holds_each_experts_dequantized_weight(tmp_path):
+    """The plain (bf16) export: every expert's weight is its fprop operand, fake-quantized from the spec
+    (nvfp4: 16x16 UE4M3 blocks with a tensor scale per expert), loadable without hf_fp4's quantizer."""
+    from hf_fp4.export import export_bf16
+
+    model = moe_model("qwen3_moe", "nvfp4")
+    module = model.model.layers[1].mlp.experts
+    export_bf16(model, None, tmp_path / "out", dtype=torch.float32)
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert getattr(plain.config, "quantization_config", None) is None
+    spec = preset("nvfp4").linear.fprop.rhs
+    for proj in ("gate_up_proj", "down_proj"):
+        got = getattr(plain.model.layers[1].mlp.experts, proj).detach()
+        for e in range(4):
+            want = hf_fp4.fake_quantize(getattr(module, proj)[e].detach().float(), spec)
+            assert torch.equal(got[e], want), (proj, e)
