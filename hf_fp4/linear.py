@@ -291,7 +291,7 @@ class FP4Linear(nn.Linear):
             raise RuntimeError(f"{self.layer_name or 'FP4Linear'}: activation_scheme=sharq is an inference scheme "
                                "(it has no backward): run under torch.no_grad() or torch.inference_mode()")
         w = self.fprop_weight_operand()
-        q_sp, q_res = sharq_operands(x, self.recipe.fprop.lhs)
+        q_sp, q_res = sharq_operands(x, self.recipe.fprop.lhs, self.resolved_backend(x))
         y = q_sp.to(w.device) @ w.t() + q_res.to(w.device) @ w.t()
         if self.bias is not None:
             y = y + self.bias.float()

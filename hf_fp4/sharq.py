@@ -9,7 +9,8 @@ For an activation x [..., K] entering fprop (the spec, RESEARCH.md item 5):
     y      = q_sp Q(W)^T + q_res Q(W)^T          two GEMMs over the one FP4 weight payload
 
 Inference only: FP4Linear refuses it while gradients flow, and with an fprop Hadamard (the mask is defined
-on the activations themselves).  This is the reference; no fused kernel yet.
+on the activations themselves).  This is the reference; `hf_fp4.kernels.sharq` computes both operands bit
+for bit in fused Triton passes (backend="triton").
 """
 from __future__ import annotations
 
@@ -33,8 +34,13 @@ def pair_mask(x: torch.Tensor) -> torch.Tensor:
     return keep.repeat_interleave(2, dim=-1).reshape(*mag.shape)[..., :k]
 
 
-def sharq_operands(x: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """(Q(x_sp), Q(x - Q(x_sp))) in FP32, each [..., K]."""
+def sharq_operands(x: torch.Tensor, spec: QuantSpec, backend: str = "reference") -> tuple[torch.Tensor, torch.Tensor]:
+    """(Q(x_sp), Q(x - Q(x_sp))) in FP32, each [..., K]; backend "triton" runs the fused kernel."""
+    if backend == "triton":
+        from .kernels.sharq import triton_sharq_operands
+        return triton_sharq_operands(x, spec)
+    if backend != "reference":
+        raise ValueError(f"unknown backend {backend!r}; valid: reference, triton")
     flat = x.reshape(-1, x.shape[-1]).float()
     sparse = torch.where(pair_mask(flat), flat, torch.zeros_like(flat))
     q_sp = fake_quantize(sparse, spec)

@@ -52,6 +52,38 @@ def test_operands_are_the_quantized_backbone_and_the_quantized_residual():
     assert (q_sp + q_res - xf).norm() < 0.7 * (plain - xf).norm()
 
 
+@pytest.mark.parametrize("name", ["nvfp4", "mxfp4", "ufp4"])
+def test_the_fused_kernel_makes_both_operands_bit_for_bit(name):
+    """hf_fp4.kernels.sharq against the reference (itself checked against the brute-force mask and the
+    quantizer above): ties, zero groups, subnormals, a partial group and tile, bf16 and fp32 inputs, a
+    strided input; NaN refused like the reference; specs the kernel does not take refused."""
+    from hf_fp4.kernels.sharq import triton_sharq_operands
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    spec = QuantSpec.preset(name)
+    x = heavy(37, 101, 3)
+    x[0, :8] = torch.tensor([1.0, -1.0, 2.0, 0.0, -2.0, 0.0, 0.5, 0.5])  # a tie among the pairs
+    x[1, 8:16] = 0.0
+    x[2, :16] = 1e-40  # subnormal: the mask sees them, the quantizer flushes them
+    x[3] *= 2.0**8
+    huge = x.clone()
+    huge[4] *= 2.0**40  # two-level formats: the small rows' blocks fall below UE4M3
+    for t in (x, x.to(torch.bfloat16), x.t().contiguous().t(), huge):
+        t = t.to(dev)
+        got = triton_sharq_operands(t, spec)
+        want = sharq_operands(t.cpu(), spec)
+        for g, w in zip(got, want):
+            assert torch.equal(g.cpu(), w), name
+    bad = x.clone()
+    bad[5, 7] = float("nan")
+    with pytest.raises(hf_fp4.NonFiniteError):
+        sharq_operands(bad, spec)
+    with pytest.raises(hf_fp4.NonFiniteError):
+        triton_sharq_operands(bad.to(dev), spec)
+    with pytest.raises(ValueError, match="1D blocks, nearest rounding"):
+        triton_sharq_operands(x.to(dev), QuantSpec.preset("nvfp4_2d"))
+
+
 def test_the_layer_computes_both_products_over_one_weight_payload():
     torch.manual_seed(0)
     lin = torch.nn.Linear(64, 48)
@@ -63,6 +95,9 @@ def test_the_layer_computes_both_products_over_one_weight_payload():
     q_sp, q_res = (t.double() for t in sharq_operands(x, QuantSpec.preset("nvfp4")))
     want = q_sp @ w.t() + q_res @ w.t() + lin.bias.detach().double()
     assert (y.double() - want).abs().max() <= 1e-5 * want.abs().max()
+    layer.backend = "triton"  # the fused operands (interpreted on the CPU): the same product
+    with torch.no_grad():
+        assert torch.equal(layer(x), y)
     with pytest.raises(RuntimeError, match="inference scheme"):
         layer(x)  # gradients flow: refused
 
