@@ -13,6 +13,9 @@
    GPU time per kernel, and the busy fraction of the step (host-bound when far below 1).
 4. --copies: the kernels torch.compile generates around ours in one decoder block, by store count (a kernel
    storing one value into many buffers copies an input of our kernels once per argument slot).
+5. --gemm: cuBLAS FP8 GEMM time by scale granularity (tensor, row, 1x128) against BF16, at bench.py's shapes;
+   --triton-gemm: a Triton 1x128 FP8 GEMM (exactness per accumulation variant, time);
+   --fp8-accuracy: the FP8 GEMMs' worst error against the FP32 accumulation bound, by contraction length.
 """
 from __future__ import annotations
 
@@ -91,6 +94,8 @@ def main():
     p.add_argument("--gemm", action="store_true",
                    help="FP8 GEMM time by scale granularity (tensor, row, 1x128 block) against BF16, per GEMM shape")
     p.add_argument("--triton-gemm", action="store_true", help="a Triton 1x128 FP8 GEMM: exactness and time")
+    p.add_argument("--fp8-accuracy", action="store_true",
+                   help="FP8 GEMM error against the FP32 accumulation bound, by contraction length")
     p.add_argument("--mutations", action="store_true",
                    help="which arguments torch.compile believes each kernel writes (it copies those inputs)")
     args = p.parse_args()
@@ -100,6 +105,9 @@ def main():
         return
     if args.triton_gemm:
         triton_blockwise_probe(dev)
+        return
+    if args.fp8_accuracy:
+        fp8_accuracy(dev)
         return
     if args.mutations:
         mutations(dev)
@@ -291,6 +299,40 @@ def triton_blockwise_probe(dev: str, tokens: int = 8192) -> None:
                     print(f"  {tile} {w} {st} {imp}: {type(err).__name__} {str(err)[:80]}")
                     cells.append(float("nan"))
             print(f"| {m}x{nn_}x{kk} | " + " | ".join(f"{c:.3f}" for c in cells) + " |", flush=True)
+
+
+def fp8_accuracy(dev: str) -> None:
+    """How far the FP8 tensor cores' accumulation is from the FP32 bound K * 2^-24 * |a||b| (tests/exactness.py),
+    by contraction length: E4M3 operands 512 x K whose values span E4M3's range within each row (4-bit grid
+    values times 2^[-9, 6] per 32-block), against float64.  cuBLAS row-scaled (`torch._scaled_mm`, FP32 and
+    BF16 output) and Triton's FP8 dot with and without promotion every 32."""
+    print("| K | cublas fp32 out | cublas bf16 out | triton default | triton promote 32 |  (worst error / bound)")
+    print("|---|---|---|---|---|")
+    g = torch.Generator(device=dev).manual_seed(0)
+    codes = torch.tensor([0.5, 1, 1.5, 2, 3, 4, 6, -0.5, -1, -1.5, -2, -3, -4, -6, 0], device=dev)
+    for k in (128, 256, 512, 1024, 2048, 4096, 8192, 16384):
+        ops = []
+        for _ in range(2):
+            v = codes[torch.randint(0, 15, (512, k), device=dev, generator=g)]
+            e = torch.randint(-9, 6, (512, k // 32), device=dev, generator=g).float()
+            ops.append((v * torch.exp2(e).repeat_interleave(32, 1)).to(torch.float8_e4m3fn))
+        a, b = ops
+        ad, bd = a.double(), b.double()
+        ref = ad @ bd.t()
+        bound = k * 2.0**-24 * (ad.abs() @ bd.abs().t())
+        one = torch.ones((), device=dev)
+        ones_a, ones_b = torch.ones(512, 1, device=dev), torch.ones(1, 512, device=dev)
+        scale = torch.ones(k // FP8_CHUNK, 512, device=dev).t()
+        outs = {"fp32": torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.float32),
+                "bf16": torch._scaled_mm(a, b.t(), scale_a=ones_a, scale_b=ones_b, out_dtype=torch.bfloat16),
+                "triton": triton_blockwise(a, scale, b, scale, 512, 512, torch.float32),
+                "triton32": triton_blockwise(a, scale, b, scale, 512, 512, torch.float32, imprecise=32)}
+        cells = []
+        for name, out in outs.items():
+            err = (out.double() - ref).abs()
+            extra = 2.0**-8 * ref.abs() if name == "bf16" else 0.0  # one rounding to BF16 allowed
+            cells.append(f"{float((err / (bound + extra + 1e-300)).max()):.3g}")
+        print(f"| {k} | " + " | ".join(cells) + " |", flush=True)
 
 
 def profile_e2e(name: str, steps: int = 3) -> None:
