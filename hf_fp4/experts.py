@@ -25,7 +25,10 @@ import torch
 
 from . import linear as _linear
 from .linear import FP4Linear, FP4LinearFunction, _crc, _notify, _out_dtype, hadamard_signs, seed_bases
+from .formats import ELEMENT_BITS
 from .operands import LinearPlan
+from .packing import packed_shapes, stored_scales
+from .qtensor import QuantizedTensor
 from .philox import STEP_MIX
 from .recipe import GEMMS, HadamardKind, LinearRecipe, Recipe
 
@@ -39,6 +42,8 @@ class ExpertsFP4:
     def __init__(self, recipe: LinearRecipe, name: str, seed: int, num_experts: int, projections: tuple[str, ...]):
         self.recipe, self.name, self.seed = recipe, name, seed
         self.backend = "reference"
+        self.frozen = False  # a packed export: the 3D weights hold each expert's stored fprop operand
+        self.packed_rows: dict[str, int] = {}  # while a packed export loads: each projection's output rows
         self.plan = LinearPlan.build(recipe, "reference", False)
         self.projections = projections
         self._bases = torch.tensor([[seed_bases(seed, f"{name}.{p}.{e}") for e in range(num_experts)]
@@ -131,9 +136,13 @@ def register() -> None:
 
 def experts_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
     """The modules whose forward Transformers dispatches through ExpertsInterface (3D expert weights)."""
-    return {name: m for name, m in model.named_modules()
-            if hasattr(m, "is_transposed") and hasattr(m, "has_gate") and hasattr(m, "down_proj")
-            and isinstance(getattr(m, "down_proj"), torch.nn.Parameter) and m.down_proj.dim() == 3}
+    def is_experts(m):
+        if not (hasattr(m, "is_transposed") and hasattr(m, "has_gate")):
+            return False
+        w = getattr(m, "down_proj", None)
+        return isinstance(m.__dict__.get("hf_fp4"), ExpertsFP4) or (isinstance(w, torch.nn.Parameter) and w.dim() == 3)
+
+    return {name: m for name, m in model.named_modules() if is_experts(m)}
 
 
 def check_experts(name: str, module: torch.nn.Module, recipe: LinearRecipe) -> None:
@@ -197,6 +206,71 @@ def dequantized_experts_weight(module: torch.nn.Module, proj: str) -> torch.Tens
     ws = [expert_linear(module, proj, e).dequantized_weight() for e in range(getattr(module, proj).shape[0])]
     out = torch.stack(ws)
     return out.transpose(1, 2) if module.is_transposed else out
+
+
+# Packed FP4 export (hf_fp4.export "fp4"): per projection, every expert's fprop weight operand Q(W R) stacked
+# along a leading expert dimension: `<proj>_packed` (codes), `<proj>_scale` (block scales as stored),
+# `<proj>_tensor_scale` ([E], two-level formats).  Loading makes them a frozen 3D weight again.
+def _expert_shapes(module: torch.nn.Module, proj: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    w = getattr(module, proj)
+    n, k = (w.shape[2], w.shape[1]) if module.is_transposed else (w.shape[1], w.shape[2])
+    shell = types.SimpleNamespace(recipe=module.hf_fp4.recipe, out_features=n, in_features=k)
+    return {f"{proj}{key.removeprefix('weight')}": ((w.shape[0], *shape), dtype)
+            for key, (shape, dtype) in packed_shapes(shell).items()}
+
+
+def packed_experts(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The packed tensors of one experts module (keys relative to the module)."""
+    out = {}
+    for proj in module.hf_fp4.projections:
+        qs = [expert_linear(module, proj, e).quantized_fprop_weight() for e in range(getattr(module, proj).shape[0])]
+        out[f"{proj}_packed"] = torch.stack([q.codes for q in qs]).cpu()
+        out[f"{proj}_scale"] = torch.stack([q.scales.view(torch.uint8) if q.scales.dtype != torch.float32
+                                            else q.scales for q in qs]).cpu()
+        if qs[0].tensor_scale is not None:
+            out[f"{proj}_tensor_scale"] = torch.stack([q.tensor_scale.reshape(1) for q in qs]).cpu()
+    return out
+
+
+def expect_packed_experts(module: torch.nn.Module) -> None:
+    """Before loading a packed export: buffers of the stored shapes replace the 3D weights."""
+    for proj in module.hf_fp4.projections:
+        w = getattr(module, proj)
+        device = w.device
+        shapes = _expert_shapes(module, proj)
+        module.hf_fp4.packed_rows[proj] = w.shape[2] if module.is_transposed else w.shape[1]
+        del module._parameters[proj]
+        for key, (shape, dtype) in shapes.items():
+            module.register_buffer(key, torch.empty(shape, dtype=dtype, device=device))
+        # Transformers' _init_weights reads the 3D weight by name while loading: an empty, already-initialised
+        # stand-in (a plain attribute, not in the state dict) until unpack_experts puts the weight back
+        stand_in = torch.empty(0, device=device)
+        stand_in._is_hf_initialized = True
+        setattr(module, proj, stand_in)
+
+
+def unpack_experts(module: torch.nn.Module) -> None:
+    """After loading: each expert's stored operand, dequantized, becomes a frozen 3D weight (inference)."""
+    state: ExpertsFP4 = module.hf_fp4
+    spec = state.recipe.fprop.rhs
+    for proj in state.projections:
+        if f"{proj}_packed" not in module._buffers:
+            continue
+        codes, scales = module._buffers.pop(f"{proj}_packed"), module._buffers.pop(f"{proj}_scale")
+        tensor_scales = module._buffers.pop(f"{proj}_tensor_scale", None)
+        weights = []
+        for e in range(codes.shape[0]):
+            n = state.packed_rows[proj]
+            k = codes.shape[2] * (2 if ELEMENT_BITS[spec.grid] == 4 else 1)
+            tensor_scale = tensor_scales[e].reshape(()) if tensor_scales is not None else None
+            q = QuantizedTensor(codes[e], stored_scales(scales[e], spec), tensor_scale, torch.Size((n, k)), spec)
+            weights.append(q.dequantize())
+        w = torch.stack(weights)
+        module.__dict__.pop(proj, None)  # the loading stand-in
+        module.register_parameter(proj, torch.nn.Parameter(w.transpose(1, 2) if module.is_transposed else w,
+                                                           requires_grad=False))
+    state.frozen = True
+    state.plan = LinearPlan.build(state.recipe, "reference", True)
 
 
 def experts_states(model: torch.nn.Module) -> dict[str, ExpertsFP4]:

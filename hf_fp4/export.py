@@ -6,8 +6,8 @@
   into a frozen weight and gives logits identical to the fake-quantized model.
 * `bf16`: a plain checkpoint (no quantization_config) whose linear weights are the dequantized operands
   rotated back, Q(W R) R^T (+ B A for LoRA-SVD), MoE experts' 3D weights likewise expert by expert: plain
-  transformers loads it without hf_fp4.  (`fp4` writes the experts' master weights unpacked for now; they
-  are quantized again when the export loads, so its logits are the trained model's.)
+  transformers loads it without hf_fp4.  `fp4` packs MoE experts too: per projection, the experts' operands
+  stacked (`<proj>_packed`, `<proj>_scale`, `<proj>_tensor_scale`).
 * `compressed-tensors`: NVFP4 weights in the layout of the `compressed-tensors` package (vLLM,
   llm-compressor): `weight_packed` (two E2M1 codes a byte, low nibble first), `weight_scale` (E4M3, one
   per 1x16 group; a 16x16 tile's scale is repeated on its 16 rows), `weight_global_scale` (= s_enc), with
@@ -28,7 +28,7 @@ import torch
 from safetensors.torch import save_file
 
 from .convert import fp4_modules
-from .experts import dequantized_experts_weight, experts_modules
+from .experts import dequantized_experts_weight, experts_modules, packed_experts
 from .formats import Grid
 from .extras import require
 from .integration import FP4TrainConfig
@@ -96,6 +96,11 @@ def export_fp4(model, tokenizer, output, overwrite=False) -> Path:
             else q.scales.cpu()
         if q.tensor_scale is not None:
             state[f"{name}.weight_tensor_scale"] = q.tensor_scale.reshape(1).cpu()
+    for name, module in experts_modules(model).items():  # MoE experts: stacked per-expert operands
+        if hasattr(module, "hf_fp4") and module.hf_fp4.recipe.fprop.rhs is not None and not module.hf_fp4.frozen:
+            for proj in module.hf_fp4.projections:
+                del state[f"{name}.{proj}"]
+            state.update({f"{name}.{key}": t for key, t in packed_experts(module).items()})
     qc = model.config.quantization_config
     qc = qc if isinstance(qc, FP4TrainConfig) else FP4TrainConfig.from_dict(qc)
     cfg = model.config.to_dict()

@@ -23,6 +23,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from .attention import enable as enable_attention, register as register_attention
 from .convert import convert_model, fp4_modules, lora_svd_split
+from .experts import expect_packed_experts, experts_modules, unpack_experts
 from .packing import expect_packed_weight, unpack_weight
 from .recipe import PRESET_NAMES, Recipe, preset
 
@@ -101,12 +102,18 @@ class FP4HfQuantizer(HfQuantizer):
         if self.quantization_config.packed:
             for module in fp4_modules(model).values():
                 expect_packed_weight(module)
+            for module in experts_modules(model).values():
+                if hasattr(module, "hf_fp4") and module.hf_fp4.recipe.fprop.rhs is not None:
+                    expect_packed_experts(module)
         return model
 
     def _process_model_after_weight_loading(self, model, **kwargs):
         if self.quantization_config.packed:
             for module in fp4_modules(model).values():
                 unpack_weight(module)
+            for module in experts_modules(model).values():
+                if hasattr(module, "hf_fp4"):
+                    unpack_experts(module)
         # A saved hf_fp4 checkpoint carries W_res, A and B; a plain checkpoint is split now.
         if not self.pre_quantized:
             lora_svd_split(model, fresh=True)

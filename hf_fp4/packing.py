@@ -38,16 +38,21 @@ def expect_packed_weight(module) -> None:
         module.register_buffer(key, torch.empty(shape, dtype=dtype, device=device))
 
 
+def stored_scales(scales: torch.Tensor, spec) -> torch.Tensor:
+    """Block scales as loaded (bytes, or FP32) viewed in the spec's scale dtype."""
+    if spec.scale in (ScaleRule.E8M0_FLOOR, ScaleRule.E8M0_CEIL):
+        return scales.view(torch.float8_e8m0fnu)
+    if spec.scale is ScaleRule.UE4M3_FP32:
+        return scales.view(torch.float8_e4m3fn)
+    return scales
+
+
 def unpack_weight(module) -> None:
     """After loading: the stored operand becomes a frozen weight; the buffers go away."""
     if "weight_packed" not in module._buffers:
         return
     spec = module.recipe.fprop.rhs
-    scales = module.weight_scale
-    if spec.scale in (ScaleRule.E8M0_FLOOR, ScaleRule.E8M0_CEIL):
-        scales = scales.view(torch.float8_e8m0fnu)
-    elif spec.scale is ScaleRule.UE4M3_FP32:
-        scales = scales.view(torch.float8_e4m3fn)
+    scales = stored_scales(module.weight_scale, spec)
     tensor_scale = module.weight_tensor_scale.reshape(()) if "weight_tensor_scale" in module._buffers else None
     n = module.out_features
     k = module.weight_packed.shape[1] * (2 if ELEMENT_BITS[spec.grid] == 4 else 1)

@@ -253,10 +253,12 @@ def triton_blockwise_probe(dev: str, tokens: int = 8192) -> None:
     import sys
     sys.path.insert(0, "tests")
     from exactness import assert_within_accumulation_error
+
     def operand(rows, k, g):
         codes = torch.tensor([0.5, 1, 1.5, 2, 3, 4, 6, -0.5, -1, -1.5, -2, -3, -4, -6, 0], device=dev)
         v = codes[torch.randint(0, 15, (rows, k), device=dev, generator=g)]
-        v = v * torch.exp2(torch.randint(-6, 6, (rows, k // 32), device=dev, generator=g).float()).repeat_interleave(32, 1)
+        e = torch.randint(-6, 6, (rows, k // 32), device=dev, generator=g).float()
+        v = v * torch.exp2(e).repeat_interleave(32, 1)
         scale = torch.exp2(torch.randint(-20, 20, (k // FP8_CHUNK, rows), device=dev, generator=g).float())
         return v.to(torch.float8_e4m3fn), scale.t()
 

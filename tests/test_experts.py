@@ -202,3 +202,32 @@ def test_bf16_export_holds_each_experts_dequantized_weight(tmp_path):
         for e in range(4):
             want = hf_fp4.fake_quantize(getattr(module, proj)[e].detach().float(), spec)
             assert torch.equal(got[e], want), (proj, e)
+
+
+@pytest.mark.parametrize("recipe", ["nvfp4", "mxfp4_dh", "ufp4"])
+def test_the_packed_export_stores_each_expert_and_reloads_to_the_same_logits(tmp_path, recipe):
+    """export "fp4": the experts' weights leave as stacked per-expert codes and scales (a fraction of the
+    bytes), and from_pretrained gives the trained model's logits (fprop Hadamard and two-level scales
+    included); the reloaded experts are frozen."""
+    from safetensors.torch import load_file
+
+    from hf_fp4.export import export_fp4
+
+    model = moe_model("qwen3_moe", recipe)
+    ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(2))
+    model.eval()
+    with torch.no_grad():
+        logits = model(ids).logits
+    export_fp4(model, None, tmp_path / "packed")
+    stored = {}
+    for f in (tmp_path / "packed").glob("*.safetensors"):
+        stored.update(load_file(f))
+    name = "model.layers.0.mlp.experts"
+    assert f"{name}.gate_up_proj" not in stored and stored[f"{name}.gate_up_proj_packed"].dtype == torch.uint8
+    assert stored[f"{name}.down_proj_packed"].shape[0] == 4
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "packed")
+    experts = reloaded.model.layers[0].mlp.experts
+    assert experts.hf_fp4.frozen and not experts.down_proj.requires_grad
+    reloaded.eval()
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, logits)
