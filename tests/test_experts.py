@@ -119,10 +119,11 @@ def test_unquantized_experts_equal_transformers_forward(arch):
     assert not torch.equal(moe_model(arch, "nvfp4").model.layers[0].mlp.experts(x, index, weights), y_eager)
 
 
-def test_a_moe_model_trains_saves_and_reloads_with_identical_logits(tmp_path):
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_a_moe_model_trains_saves_and_reloads_with_identical_logits(tmp_path, arch):
     """from_config -> a few steps -> save_pretrained -> from_pretrained (after import hf_fp4): the experts run
     FP4 again and give the same logits; the router stays high precision; the RNG state covers the experts."""
-    model = moe_model("qwen3_moe", "nvfp4")
+    model = moe_model(arch, "nvfp4")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(0))
     for _ in range(3):
@@ -148,7 +149,7 @@ def test_a_moe_model_trains_saves_and_reloads_with_identical_logits(tmp_path):
         assert torch.equal(reloaded(ids).logits, logits)
     load_rng_state_dict(reloaded, state)
     assert experts_states(reloaded)["model.layers.1.mlp.experts"].sr_calls == 3
-    plain = moe_model("qwen3_moe", "bf16")  # what the quantization changed
+    plain = moe_model(arch, "bf16")  # what the quantization changed
     plain.load_state_dict(model.state_dict(), strict=False)
     plain.eval()
     with torch.no_grad():
