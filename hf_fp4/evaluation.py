@@ -6,6 +6,8 @@ model is post-training quantized in memory (`quantize=preset`: fprop operands RT
 """
 from __future__ import annotations
 
+import dataclasses
+
 import datetime
 import json
 import math
@@ -73,12 +75,21 @@ def check_gguf_architecture(gguf_path: Path) -> None:
 
 
 def post_training_quantize(model, preset: str, hadamard: str = "none", hadamard_size: int = 16,
-                           sharq: bool = False):
-    """FP4 inference emulation in memory: every decoder linear quantizes x and W (RTN) in fprop; sharq: the
-    activations as SharQ's backbone + residual (hf_fp4.sharq)."""
+                           sharq: bool = False, weights_only: bool = False, weight_blocks: str | None = None):
+    """FP4 inference emulation in memory: every decoder linear quantizes x and W (RTN) in fprop (W4A4);
+    weights_only: W alone (W4A16); sharq: the activations as SharQ's backbone + residual (hf_fp4.sharq);
+    weight_blocks "1d" / "2d": the weight's blocks (nvfp4: 1x16 / 16x16)."""
+    if sharq and weights_only:
+        raise ValueError("SharQ quantizes activations: it has no weights-only (W4A16) form")
     extra = {"activation_scheme": "sharq"} if sharq else {}
-    return apply_fp4_config(model, FP4TrainConfig(preset, gemms=("fprop",), hadamard=hadamard,
-                                                  hadamard_size=hadamard_size, **extra))
+    if weight_blocks is not None:
+        extra["weight_blocks"] = weight_blocks
+    config = FP4TrainConfig(preset, gemms=("fprop",), hadamard=hadamard, hadamard_size=hadamard_size, **extra)
+    if weights_only:
+        recipe = config.get_recipe()
+        linear = dataclasses.replace(recipe.linear, fprop=dataclasses.replace(recipe.linear.fprop, lhs=None))
+        config = FP4TrainConfig(dataclasses.replace(recipe, linear=linear))
+    return apply_fp4_config(model, config)
 
 
 def run_lm_eval(model, tokenizer, tasks: list[str], limit: int | None = None, batch_size: str | int = "auto",

@@ -1,6 +1,6 @@
 #!/usr/bin/env python
-"""SmolLM2-135M: BF16 vs FP4 post-training quantization (nvfp4 / mxfp4 / ufp4, with and without
-Hadamard) on the offline tasks and held-out perplexity.
+"""SmolLM2-135M: BF16 vs FP4 post-training quantization (nvfp4 / mxfp4 / ufp4, W4A16 and W4A4, with and
+without Hadamard; nvfp4 with 1x16 weight blocks; nvfp4+SharQ) on the offline tasks and held-out perplexity.
 
     python scripts/ptq_table.py [--limit N] [--out benchmarks/smollm2-ptq] [--configs a,b] [--tasks t1,t2]
         [--ppl_tokens N]     token-level perplexity of the built-in corpus's held-out documents (sliding
@@ -20,10 +20,16 @@ from hf_fp4.evaldata import heldout_corpus_texts
 from hf_fp4.evaluation import load_model, markdown_table, post_training_quantize, run_lm_eval, token_perplexity
 from hf_fp4.models import fetch_smollm2
 
-CONFIGS = [("bf16", None, "none", 16), ("nvfp4", "nvfp4", "none", 16), ("nvfp4+H16", "nvfp4", "deterministic", 16),
-           ("mxfp4", "mxfp4", "none", 32), ("mxfp4+H32", "mxfp4", "deterministic", 32),
-           ("ufp4 (no H)", "ufp4", "none", 16), ("ufp4+RHT16", "ufp4", "random_fixed", 16),
-           ("nvfp4+SharQ", "nvfp4", "none", 16, True)]
+# Rows: (name, preset, Hadamard, Hadamard size, post_training_quantize options).  Plain names quantize weights
+# and activations in fprop (W4A4; the names of earlier tables), " W4A16" the weights alone; nvfp4's weights
+# are 16x16 tiles unless "W 1x16"; ufp4's preset has a random Hadamard, "(no H)" switches it off.
+CONFIGS = [("bf16", None, "none", 16, {})]
+for _name, _p, _h, _size in (("nvfp4", "nvfp4", "none", 16), ("nvfp4+H16", "nvfp4", "deterministic", 16),
+                             ("mxfp4", "mxfp4", "none", 32), ("mxfp4+H32", "mxfp4", "deterministic", 32),
+                             ("ufp4 (no H)", "ufp4", "none", 16), ("ufp4+RHT16", "ufp4", "random_fixed", 16)):
+    CONFIGS += [(_name, _p, _h, _size, {}), (f"{_name} W4A16", _p, _h, _size, {"weights_only": True})]
+CONFIGS += [("nvfp4 W 1x16", "nvfp4", "none", 16, {"weight_blocks": "1d"}),
+            ("nvfp4+SharQ", "nvfp4", "none", 16, {"sharq": True})]
 TASKS = "hellaswag,piqa,arc_easy,arc_challenge,winogrande,boolq,openbookqa,sciq,lambada,corpus_ppl"
 
 
@@ -45,13 +51,16 @@ def main():
     rows = {}
     wanted = args.configs.split(",")
     texts = heldout_corpus_texts() if args.ppl_tokens else None
-    for name, preset, hadamard, size, *sharq in CONFIGS:
+    unknown = sorted(set(wanted) - {c[0] for c in CONFIGS})
+    if unknown:
+        raise SystemExit(f"unknown --configs {unknown}; valid: {', '.join(c[0] for c in CONFIGS)}")
+    for name, preset, hadamard, size, options in CONFIGS:
         if name not in wanted:
             continue
         t0 = time.time()
         model = copy.deepcopy(base)
         if preset:
-            post_training_quantize(model, preset, hadamard, size, sharq=bool(sharq and sharq[0]))
+            post_training_quantize(model, preset, hadamard, size, **options)
         tasks = [t for t in args.tasks.split(",") if t]
         rows[name] = run_lm_eval(model, tok, tasks, args.limit, int(args.batch_size)) if tasks else {}
         if args.ppl_tokens:

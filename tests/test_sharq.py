@@ -182,3 +182,30 @@ def test_token_perplexity_scores_every_token_once():
     with torch.no_grad():
         nll = torch.nn.functional.cross_entropy(model(ids).logits[0, :-1], ids[0, 1:])
     assert abs(token_perplexity(model, tok, texts, 128, 64)["nll"] - float(nll)) < 1e-5
+
+
+@pytest.mark.parametrize("weights_only,blocks", [(True, None), (False, "1d"), (False, None)])
+def test_ptq_rows_quantize_what_their_names_say(weights_only, blocks):
+    """The PTQ table's rows: W4A16 leaves x alone and quantizes W; weight_blocks "1d" gives nvfp4 1x16 weight
+    blocks instead of 16x16; the default quantizes both (W4A4).  Against x and W quantized by hand."""
+    from tiny import tiny_config
+    from transformers import AutoModelForCausalLM
+
+    from hf_fp4.evaluation import post_training_quantize
+
+    torch.manual_seed(0)
+    model = post_training_quantize(AutoModelForCausalLM.from_config(tiny_config()), "nvfp4",
+                                   weights_only=weights_only, weight_blocks=blocks)
+    layer = model.model.layers[0].self_attn.q_proj
+    x = heavy(6, layer.in_features, 4)
+    with torch.no_grad():
+        y = layer(x).double()
+    w_spec = QuantSpec.preset("nvfp4" if blocks == "1d" else "nvfp4_2d")
+    w = quantize(layer.weight.detach(), w_spec).dequantize(torch.float32).double()
+    xq = x if weights_only else quantize(x, QuantSpec.preset("nvfp4")).dequantize(torch.float32)
+    want = xq.double() @ w.t()
+    assert (y - want).abs().max() <= 1e-5 * want.abs().max()
+    other = quantize(x, QuantSpec.preset("nvfp4")).dequantize(torch.float32) if weights_only else x
+    assert (y - other.double() @ w.t()).abs().max() > 1e-3 * want.abs().max()  # the other choice differs
+    with pytest.raises(ValueError, match="no weights-only"):
+        post_training_quantize(AutoModelForCausalLM.from_config(tiny_config()), "nvfp4", sharq=True, weights_only=True)
