@@ -13,8 +13,9 @@ Hadamard and SR -- on a view of the expert's weight slice, so block and tensor s
 gradients land in the 3D parameters.  Every (expert, projection) has its own SR / Hadamard seeds, as a
 separate nn.Linear would.  The router is a module of its own (an nn.Linear, or a router holding a weight
 Parameter) and is left to the linear swap's rules: Transformers' routers are not nn.Linear, so they stay
-in high precision.  The loop over experts reads the routing counts on the host: the reference path, not the
-fast path (grouped GEMMs, to come).
+in high precision.  The loop over experts reads the routing counts on the host; on CUDA each expert's GEMMs
+run on the fast path of FP4Linear (Triton operand kernels, exact FP8 / BF16 GEMMs), one expert at a time --
+grouped GEMMs are still to come.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ import torch
 from . import linear as _linear
 from .linear import FP4Linear, FP4LinearFunction, _crc, _notify, _out_dtype, hadamard_signs, seed_bases
 from .formats import ELEMENT_BITS
-from .operands import LinearPlan
+from .operands import BACKENDS, LinearPlan
 from .packing import packed_shapes, stored_scales
 from .qtensor import QuantizedTensor
 from .philox import STEP_MIX
@@ -41,16 +42,26 @@ class ExpertsFP4:
 
     def __init__(self, recipe: LinearRecipe, name: str, seed: int, num_experts: int, projections: tuple[str, ...]):
         self.recipe, self.name, self.seed = recipe, name, seed
-        self.backend = "reference"
-        self.frozen = False  # a packed export: the 3D weights hold each expert's stored fprop operand
+        self.backend = "auto"  # as FP4Linear's: the Triton operand kernels and exact GEMMs on CUDA, per expert
         self.packed_rows: dict[str, int] = {}  # while a packed export loads: each projection's output rows
-        self.plan = LinearPlan.build(recipe, "reference", False)
+        self.freeze(False)
         self.projections = projections
         self._bases = torch.tensor([[seed_bases(seed, f"{name}.{p}.{e}") for e in range(num_experts)]
                                     for p in projections], dtype=torch.int64, device="cpu")  # [P, E, 6]
         self._rht_base = _crc(seed, name, "rht")
         # on the CPU even under a meta-device context (from_pretrained); moved to the input's device at first use
         self.step = torch.zeros((), dtype=torch.int64, device="cpu")
+
+    def freeze(self, frozen: bool) -> None:
+        """frozen: a packed export's 3D weights hold each expert's stored fprop operand (inference)."""
+        self.frozen = frozen
+        self.plans = {b: LinearPlan.build(self.recipe, b, frozen) for b in ("reference", "triton")}
+
+    def plan(self, t: torch.Tensor) -> LinearPlan:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"ExpertsFP4.backend={self.backend!r}; valid: {', '.join(BACKENDS)}")
+        backend = ("triton" if t.is_cuda else "reference") if self.backend == "auto" else self.backend
+        return self.plans[backend]
 
     @property
     def sr_calls(self) -> int:
@@ -81,7 +92,7 @@ class ExpertsFP4:
         if _linear._OBSERVERS:
             view = types.SimpleNamespace(layer_name=f"{self.name}.{label}", recipe=self.recipe, weight=weight)
             observer = functools.partial(_notify, view)
-        return FP4LinearFunction.apply(x_in, weight, bias, seeds, signs, self.plan, need, out_dtype, observer)
+        return FP4LinearFunction.apply(x_in, weight, bias, seeds, signs, self.plan(x), need, out_dtype, observer)
 
 
 def fp4_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -269,8 +280,7 @@ def unpack_experts(module: torch.nn.Module) -> None:
         module.__dict__.pop(proj, None)  # the loading stand-in
         module.register_parameter(proj, torch.nn.Parameter(w.transpose(1, 2) if module.is_transposed else w,
                                                            requires_grad=False))
-    state.frozen = True
-    state.plan = LinearPlan.build(state.recipe, "reference", True)
+    state.freeze(True)
 
 
 def experts_states(model: torch.nn.Module) -> dict[str, ExpertsFP4]:

@@ -54,7 +54,7 @@ def per_expert_layers(module, state: ExpertsFP4):
 
 def composed_forward(module, layers, x, index, weights):
     """The experts layer written as a loop over FP4Linear layers, tokens of each expert in sequence order."""
-    out = torch.zeros(x.shape, dtype=torch.float32)
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e, (up, down) in enumerate(layers):
         tokens, slot = torch.where(index == e)
         if tokens.numel() == 0:
@@ -65,21 +65,29 @@ def composed_forward(module, layers, x, index, weights):
     return out.to(x.dtype)
 
 
-@pytest.mark.parametrize("arch", sorted(ARCHS))
-@pytest.mark.parametrize("recipe", ["nvfp4", "mxfp4", "ufp4"])
-def test_experts_layer_equals_per_expert_fp4_linears(arch, recipe):
+CASES = [(a, r, "reference") for a in sorted(ARCHS) for r in ("nvfp4", "mxfp4", "ufp4")] + [
+    ("qwen3_moe", "nvfp4", "triton"), ("mixtral", "mxfp4", "triton")]  # the fast path (interpreted on the CPU)
+
+
+@pytest.mark.parametrize("arch,recipe,backend", CASES)
+def test_experts_layer_equals_per_expert_fp4_linears(arch, recipe, backend):
     """Output, input gradient and every expert's weight gradients equal a loop over FP4Linear layers with the
     experts' names: per-expert scales, seeds and SR streams, over two training calls."""
-    model = moe_model(arch, recipe)
+    dev = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+    model = moe_model(arch, recipe).to(dev)
     name, module = next(iter(experts_modules(model).items()))
     state = module.hf_fp4
+    state.backend = backend
     assert model.config._experts_implementation == "hf_fp4" and state.recipe == preset(recipe).linear
     layers = per_expert_layers(module, state)
+    for pair in layers:
+        for lin in pair:
+            lin.to(dev).backend = backend
     up = "gate_up_proj" if module.has_gate else "up_proj"
     for call in range(2):
-        x = torch.randn(24, 64, generator=torch.Generator().manual_seed(call), requires_grad=True)
-        index, weights = routing(24, 4, 2, seed=call)
-        g = torch.randn(24, 64, generator=torch.Generator().manual_seed(10 + call))
+        x = torch.randn(24, 64, generator=torch.Generator().manual_seed(call)).to(dev).requires_grad_()
+        index, weights = (t.to(dev) for t in routing(24, 4, 2, seed=call))
+        g = torch.randn(24, 64, generator=torch.Generator().manual_seed(10 + call)).to(dev)
         module.zero_grad()
         y = module(x, index, weights)
         (y * g).sum().backward()
