@@ -89,3 +89,19 @@ def test_gap_table_reports_the_bf16_seed_spread():
     assert "| bf16 | bf16 | 2 | 10 | 0.5 | 4.1000 ± 0.1000 | +0.00% |" in table
     assert "| x | nvfp4 | 1 | 10 | 0.5 | 4.4100 ± 0.0000 | +7.56% |" in table
     assert "± 0.1000 (2.44% of its mean)" in table
+
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")) + sorted((CONFIGS / "study").glob("*.yaml")),
+                         ids=lambda p: p.name)
+def test_every_shipped_config_validates(path, tmp_path):
+    """The configs in the repository parse and validate as they are (a renamed option fails here, not on a
+    GPU machine an hour into a study)."""
+    from hf_fp4.train_config import load_config
+
+    if path.parent.name == "study":
+        assert load_study(path, tmp_path).runs
+    else:
+        assert load_config(path).max_steps > 0
