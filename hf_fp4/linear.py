@@ -292,7 +292,10 @@ class FP4Linear(nn.Linear):
                                "(it has no backward): run under torch.no_grad() or torch.inference_mode()")
         w = self.fprop_weight_operand()
         q_sp, q_res = sharq_operands(x, self.recipe.fprop.lhs, self.resolved_backend(x))
-        y = q_sp.to(w.device) @ w.t() + q_res.to(w.device) @ w.t()
+        k = x.shape[-1]
+        both = torch.cat([q_sp.reshape(-1, k), q_res.reshape(-1, k)]).to(w.device) @ w.t()  # one pass over W
+        y_sp, y_res = both.chunk(2)
+        y = (y_sp + y_res).reshape(*x.shape[:-1], -1)
         if self.bias is not None:
             y = y + self.bias.float()
         return y.to(_out_dtype(x))
