@@ -18,7 +18,9 @@ quantizers are straight-through.  Every format is a QuantSpec of an `AttentionRe
 `attention_forward` is registered with Transformers' attention interface as attn_implementation="hf_fp4"
 (causal, GQA, padding masks, sliding windows: it takes the boolean masks Transformers builds for SDPA), and
 `FP4TrainConfig(..., attention="nvfp4")` switches a model to it.  Stochastic-rounding specs draw their
-Philox seeds from a per-module call counter.  This is the reference path only (no fused kernel yet).
+Philox seeds from a per-module call counter.  The forward can run as a Triton flash kernel
+(`backend="triton"`, or `config.hf_fp4_attention_backend = "triton"`; hf_fp4.kernels.attention), equal to
+this reference within the BF16 rounding of P; the backward is the reference's (it materialises P and dS).
 """
 from __future__ import annotations
 
@@ -123,11 +125,15 @@ class FP4AttentionFunction(torch.autograd.Function):
     None.  Returns O [B, H, Tq, D] in q's dtype."""
 
     @staticmethod
-    def forward(ctx, q, k, v, keep, scale: float, recipe: AttentionRecipe, seed: int):
+    def forward(ctx, q, k, v, keep, scale: float, recipe: AttentionRecipe, seed: int, backend: str = "reference"):
         qh, kh, vh = (quantize_rows(t, getattr(recipe, n), seed + i) for i, (t, n) in
                       enumerate(((q, "q"), (k, "k"), (v, "v"))))
-        p = _probabilities(qh, kh, scale, keep)
-        out = (p.to(torch.bfloat16).float() @ vh).to(q.dtype)
+        if backend == "triton":  # the flash kernel: P never materialised (hf_fp4.kernels.attention)
+            from .kernels.attention import flash_forward
+            out = flash_forward(qh, kh, vh, keep, scale).to(q.dtype)
+        else:
+            p = _probabilities(qh, kh, scale, keep)
+            out = (p.to(torch.bfloat16).float() @ vh).to(q.dtype)
         ctx.save_for_backward(qh, kh, vh, out, keep)
         ctx.scale, ctx.recipe, ctx.seed, ctx.dtypes = scale, recipe, seed, (q.dtype, k.dtype, v.dtype)
         return out
@@ -144,20 +150,23 @@ class FP4AttentionFunction(torch.autograd.Function):
         dq = (ds_keys @ kh) * ctx.scale
         dk = (ds_queries.transpose(-1, -2) @ qh) * ctx.scale
         q_dtype, k_dtype, v_dtype = ctx.dtypes
-        return dq.to(q_dtype), dk.to(k_dtype), dv.to(v_dtype), None, None, None, None
+        return dq.to(q_dtype), dk.to(k_dtype), dv.to(v_dtype), None, None, None, None, None
 
 
 def fp4_attention(q, k, v, keep=None, scale: float | None = None, recipe: "AttentionRecipe | str | dict" = "nvfp4",
-                  seed: int = 0) -> torch.Tensor:
+                  seed: int = 0, backend: str = "reference") -> torch.Tensor:
     """FP4 attention of q [B, H, Tq, D] and k, v [B, Hkv, Tk, D] (Hkv divides H); keep: a boolean mask
-    (True: attend) broadcastable to [B, H, Tq, Tk], or None (no mask)."""
+    (True: attend) broadcastable to [B, H, Tq, Tk], or None (no mask).  backend "triton": the forward runs
+    the flash kernel (within BF16 rounding of P of the reference; the backward is the reference's)."""
+    if backend not in ("reference", "triton"):
+        raise ValueError(f"fp4_attention: unknown backend {backend!r}; valid: reference, triton")
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"fp4_attention: {q.shape[1]} query heads are not a multiple of {k.shape[1]} key heads")
     groups = q.shape[1] // k.shape[1]
     if groups > 1:
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return FP4AttentionFunction.apply(q, k, v, keep, float(scale), AttentionRecipe.build(recipe), int(seed))
+    return FP4AttentionFunction.apply(q, k, v, keep, float(scale), AttentionRecipe.build(recipe), int(seed), backend)
 
 
 # The reference runs eagerly inside a compiled block (one graph break per attention call): traced, its
@@ -199,7 +208,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         seed = getattr(module, "_hf_fp4_attention_calls", 0)
         module._hf_fp4_attention_calls = seed + 4
     keep = _keep_mask(attention_mask, q_len, kv_len, causal, query.device)
-    out = _fp4_attention_outside_compile(query, key, value, keep, scaling, recipe, seed)
+    backend = getattr(config, "hf_fp4_attention_backend", "reference")
+    out = _fp4_attention_outside_compile(query, key, value, keep, scaling, recipe, seed, backend)
     return out.transpose(1, 2).contiguous(), None
 
 

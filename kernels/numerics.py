@@ -223,6 +223,15 @@ def expand_blocks(v, BM: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, BC: t
     return tl.reshape(v4, [BM, BK])
 
 
+@triton.jit
+def round_to_bf16(x):
+    """FP32 x rounded to the nearest BF16 value (ties to even), kept in FP32: by hand, because Triton's
+    interpreter truncates in .to(tl.bfloat16).  Finite inputs."""
+    bits = x.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536  # -65536 = 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
 def grid_constants(grid: Grid) -> dict:
     """The constexpr arguments of a grid: id, float-format parameters, max as (mantissa, exponent), emax."""
     import math

@@ -97,6 +97,63 @@ def test_padding_masks_gqa_and_a_fully_masked_row():
     assert torch.equal(same[1], ref[1]) and not torch.equal(same[1, :, :, :], ref[0])
 
 
+@pytest.mark.parametrize("name", ["nvfp4", "mxfp4", "none"])
+def test_the_flash_forward_kernel_is_the_spec_within_the_bf16_rounding_of_p(name):
+    """hf_fp4.kernels.attention.flash_forward on the quantized Q^, K^, V^: within the spec's and the kernel's
+    BF16 roundings of each P element plus FP32 accumulation of the float64 spec (causal + padding + a query that sees nothing, GQA
+    expanded, ragged T over several key tiles); the unrounded P's product lies outside that bound."""
+    from hf_fp4.attention import quantize_rows
+    from hf_fp4.kernels.attention import flash_forward
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(7)
+    t = 70
+    q, k, v = (torch.randn(B, H, t, D, generator=g) * s for s in (1.0, 1.0, 3.0))
+    q[0, 0, 5] *= 30  # one sharp row: P near one-hot
+    keep = torch.ones(B, 1, t, t, dtype=torch.bool).tril()
+    keep[1, :, :, :9] = False
+    keep[1, :, 4] = False
+    spec = None if name == "none" else QuantSpec.preset(name)
+    qh, kh, vh = (quantize_rows(x, spec, 0) for x in (q, k, v))
+    scale = D ** -0.5
+    out = flash_forward(qh.to(dev), kh.to(dev), vh.to(dev), keep.to(dev), scale).cpu().double()
+    s64 = (qh.double() @ kh.double().transpose(-1, -2) * scale).masked_fill(~keep, float("-inf"))
+    p = torch.nan_to_num(torch.softmax(s64, -1), nan=0.0)
+    mag = p @ vh.double().abs()
+    # each side rounds P once to BF16 (<= 2^-8 relative), computes S in FP32 (|dS| <= D 2^-24 |q||k| scale, so
+    # P moves by at most 2 max|dS| relative), and sums P V in FP32
+    ds_max = (D * 2.0**-24 * scale * (qh.double().abs() @ kh.double().abs().transpose(-1, -2))).amax(-1, keepdim=True)
+    bound = (2.0**-7 + 4 * ds_max + t * 2.0**-24) * mag + 1e-30
+    want = p.to(torch.bfloat16).double() @ vh.double()
+    assert torch.all((out - want).abs() <= bound), float(((out - want).abs() / bound).max())
+    assert torch.all(out[1, :, 4] == 0)
+    unrounded = p @ vh.double()  # the check can fail: a P product not rounded to BF16 is beyond it somewhere
+    assert not torch.all((out - unrounded).abs() <= 2.0**-12 * mag + 1e-30)
+
+
+def test_the_triton_forward_serves_fp4_attention_and_its_reference_backward():
+    """fp4_attention(backend="triton"): the flash forward's output, and the reference backward's gradients from
+    it, match the reference path's (GQA, causal + padding mask)."""
+    q, k, v = qkv(5, torch.float32)
+    keep = torch.ones(B, 1, T, T, dtype=torch.bool).tril()
+    keep[0, :, :, :3] = False
+    outs, grads = [], []
+    for backend in ("reference", "triton"):
+        qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        out = fp4_attention(qq, kk, vv, keep, recipe="mxfp4", backend=backend)
+        out.square().sum().backward()
+        outs.append(out.detach())
+        grads.append((qq.grad, kk.grad, vv.grad))
+    close(outs[1], outs[0].double(), rel=1e-2)
+    assert not torch.equal(outs[1], outs[0])  # really another computation
+    close(grads[1][2], grads[0][2].double(), rel=2e-2)  # dV: no quantized dS in between
+    for g, w in zip(grads[1][:2], grads[0][:2]):  # dQ, dK through FP4 dS: a nudged dS may flip a rounding
+        assert torch.isfinite(g).all()
+        assert torch.nn.functional.cosine_similarity(g.flatten(), w.flatten(), dim=0) > 0.99
+    with pytest.raises(ValueError, match="unknown backend"):
+        fp4_attention(q, k, v, keep, backend="cuda")
+
+
 def test_recipe_input_is_checked():
     with pytest.raises(ValueError, match="valid: q, k, v, ds"):
         AttentionRecipe.build({"q": "nvfp4", "dS": "nvfp4"})
