@@ -2,6 +2,7 @@
 """Side-by-side GPU benchmark: operand quantization, linear forward + backward, end-to-end train steps.
 
     python scripts/bench.py [--parts quant,linear,e2e] [--quick] [--out DIR]
+    python scripts/bench.py --parts attention,moe [--impls hf_fp4:nvfp4,...]   (issues 12 and 16)
     python scripts/bench.py --merge A.json B.json ... --out benchmarks   # one results file from several runs
 
 Every part puts the peers in the same process as hf_fp4: a device copy and torchao's `to_mx` (compiled)
@@ -17,6 +18,7 @@ import argparse
 import dataclasses
 import datetime
 import json
+import os
 import platform
 import statistics
 import sys
@@ -363,11 +365,94 @@ def bench50m_model() -> dict:
     return cfg["model"], cfg
 
 
+def bench_attention(dev, quick, results):
+    """FP4 attention (issue 12) against PyTorch's SDPA (bf16, causal, GQA): forward and forward + backward ms,
+    peak memory.  hf_fp4 runs nvfp4 Q/K/V/dS with the reference or the Triton flash forward."""
+    from hf_fp4.attention import fp4_attention
+
+    b, h, hkv, t, d = (1, 4, 2, 64, 32) if quick else (1, 32, 8, 4096, 128)
+    g = torch.Generator(device=dev).manual_seed(0)
+    q, k, v = (torch.randn(b, n, t, d, device=dev, dtype=torch.bfloat16, generator=g) for n in (h, hkv, hkv))
+    keep = torch.ones(t, t, dtype=torch.bool, device=dev).tril()
+    impls = {"sdpa": lambda q, k, v: nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                                                 enable_gqa=True),
+             "hf_fp4:nvfp4:reference": lambda q, k, v: fp4_attention(q, k, v, keep, recipe="nvfp4"),
+             "hf_fp4:nvfp4:triton_forward": lambda q, k, v: fp4_attention(q, k, v, keep, recipe="nvfp4",
+                                                                          backend="triton")}
+    if dev != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        del impls["hf_fp4:nvfp4:triton_forward"]  # Triton on the CPU needs its interpreter
+    rows = []
+    for name, fn in impls.items():
+        row = [name]
+        for what in ("fwd", "fwd+bwd"):
+            qq, kk, vv = (x.clone().requires_grad_(what != "fwd") for x in (q, k, v))
+
+            def step(qq=qq, kk=kk, vv=vv, what=what):
+                out = fn(qq, kk, vv)
+                if what != "fwd":
+                    out.float().square().mean().backward()
+            if dev == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            ms = timed(step, [()], warmup=2, reps=5)
+            peak = torch.cuda.max_memory_allocated() / 2**30 if dev == "cuda" else float("nan")
+            results.setdefault("attention", []).append({"shape": f"B{b} H{h}/{hkv} T{t} D{d}", "impl": name,
+                                                        "pass": what, "ms": round(ms, 4), "peak_gib": round(peak, 3)})
+            row += [f"{ms:.2f}", f"{peak:.2f}"]
+        rows.append(row)
+    return md_table(f"Attention, B{b} H{h} (GQA {hkv}) T{t} D{d}, causal, bf16 inputs (ms; peak GiB)",
+                    ["impl", "fwd ms", "fwd GiB", "fwd+bwd ms", "fwd+bwd GiB"], rows)
+
+
+def bench_moe(dev, quick, results, presets):
+    """One MoE experts layer (issue 16) forward + backward: Transformers' bf16 implementations (grouped_mm,
+    eager) against hf_fp4's FP4 experts, same routing."""
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    from hf_fp4.convert import convert_model
+
+    e, topk, hidden, inter, tokens = (4, 2, 64, 32, 64) if quick else (64, 8, 2048, 768, 16384)
+    cfg = Qwen3MoeConfig(hidden_size=hidden, moe_intermediate_size=inter, num_experts=e, num_experts_per_tok=topk)
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(tokens, hidden, device=dev, generator=g).to(torch.bfloat16 if dev == "cuda" else torch.float32)
+    logits = torch.randn(tokens, e, device=dev, generator=g)
+    weights, index = torch.softmax(logits, -1).topk(topk, -1)
+    rows, base = [], None
+    for name in ["bf16:grouped_mm", "bf16:eager"] + [f"hf_fp4:{p}" for p in presets]:
+        torch.manual_seed(0)
+        holder = nn.Module()
+        holder.config = cfg
+        holder.experts = Qwen3MoeExperts(cfg).to(dev)
+        nn.init.normal_(holder.experts.gate_up_proj, std=0.02)
+        nn.init.normal_(holder.experts.down_proj, std=0.02)
+        if name.startswith("hf_fp4:"):
+            convert_model(holder, preset(name.split(":")[1]))
+        else:
+            cfg._experts_implementation = name.split(":")[1]
+        xx = x.clone().requires_grad_()
+
+        def step(module=holder.experts, xx=xx):
+            with torch.autocast(dev, dtype=torch.bfloat16, enabled=dev == "cuda"):
+                out = module(xx, index, weights.to(xx.dtype))
+            out.float().square().mean().backward()
+        try:
+            ms = timed(step, [()], warmup=2, reps=5)
+        except Exception as err:  # noqa: BLE001  (an implementation this torch / device lacks)
+            rows.append([name, f"failed: {type(err).__name__}: {str(err)[:80]}", ""])
+            continue
+        base = base or ms
+        results.setdefault("moe", []).append({"shape": f"E{e} top{topk} H{hidden} I{inter} T{tokens}", "impl": name,
+                                              "ms": round(ms, 4)})
+        rows.append([name, f"{ms:.2f}", f"{base / ms:.2f}x"])
+    return md_table(f"MoE experts layer fwd+bwd, {e} experts top-{topk}, hidden {hidden}, expert {inter}, {tokens} "
+                    "tokens (ms; speed vs the first row)", ["impl", "ms", "vs first"], rows)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parts", default="quant,linear,e2e",
                         help="comma list of quant, linear, linear_spread (inputs with a trained model's spread of "
-                             "magnitudes), e2e, e2e50m")
+                             "magnitudes), e2e, e2e50m, attention, moe")
     parser.add_argument("--quick", action="store_true", help="tiny sizes (a CPU smoke test of the script)")
     parser.add_argument("--out", default="benchmarks", help="folder for results-<date>.{json,md}")
     parser.add_argument("--impls", default=None, help="comma list restricting the linear / e2e impls")
@@ -434,6 +519,12 @@ def main():
         seq, batch = int(cfg["seq_len"]), int(cfg["batch_size"])
         text.append(bench_e2e(dev, "bench-50m", kwargs, batch, seq, sizes["steps"] * 2, results, e2e_names,
                               lambda: write(results, stem, render(results))))
+    if "attention" in parts:
+        text.append(bench_attention(dev, args.quick, results))
+        write(results, stem, "\n".join(text))
+    if "moe" in parts:
+        presets = [p for p in FP4_PRESETS if args.impls is None or f"hf_fp4:{p}" in args.impls.split(",")]
+        text.append(bench_moe(dev, args.quick, results, presets))
     write(results, stem, "\n".join(text))
 
 
