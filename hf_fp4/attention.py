@@ -29,7 +29,9 @@ from typing import Any
 
 import torch
 
-from .quantize import fake_quantize
+from .qtensor import expand_blocks
+from .quantize import fake_quantize, quantize
+from .scales import ScaleRule
 from .spec import QuantSpec, as_spec
 
 TENSORS = ("q", "k", "v", "ds")
@@ -103,6 +105,26 @@ def quantize_rows(x: torch.Tensor, spec: QuantSpec | None, seed: int) -> torch.T
     return out.reshape(x.shape)[..., :rows, :]
 
 
+def tensor_core_operand(x: torch.Tensor, spec: QuantSpec | None, seed: int
+                        ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(values in BF16, FP32 tensor decode scale) with values * decode == quantize_rows(x, spec, seed) bit for
+    bit -- code x block scale has at most 8 significant bits -- or None where the values are not BF16-exact
+    (FP32 block scales; an unquantized x that is not BF16)."""
+    one = torch.ones((), dtype=torch.float32, device=x.device)
+    if spec is None:
+        return (x, one) if x.dtype == torch.bfloat16 else None
+    if spec.scale is ScaleRule.FP32:
+        return None
+    rows, pad = x.shape[-2], -x.shape[-2] % spec.block[0]
+    y = torch.nn.functional.pad(x.float(), (0, 0, 0, pad)) if pad else x.float()
+    seeded = {"seed": seed} if spec.rounding.value == "stochastic" else {}
+    qt = quantize(y.reshape(-1, y.shape[-1]), spec, **seeded)
+    values = qt.code_values() * expand_blocks(qt.block_decode(), spec.block)
+    values = values[: y.numel() // y.shape[-1], : y.shape[-1]].reshape(y.shape)[..., :rows, :]
+    decode = qt.tensor_scale.reshape(()).float() if qt.tensor_scale is not None else one
+    return values.to(torch.bfloat16), decode
+
+
 def _ds_operands(ds: torch.Tensor, spec: QuantSpec | None, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """dS for dQ (blocks along keys) and for dK (blocks along queries); one quantization when the spec's
     tiles are square (transposition-invariant)."""
@@ -130,7 +152,13 @@ class FP4AttentionFunction(torch.autograd.Function):
                       enumerate(((q, "q"), (k, "k"), (v, "v"))))
         if backend == "triton":  # the flash kernel: P never materialised (hf_fp4.kernels.attention)
             from .kernels.attention import flash_forward
-            out = flash_forward(qh, kh, vh, keep, scale).to(q.dtype)
+            ops = [tensor_core_operand(t, getattr(recipe, n), seed + i) for i, (t, n) in
+                   enumerate(((q, "q"), (k, "k"), (v, "v")))]
+            if all(o is not None for o in ops):  # exact BF16 values: the tensor cores
+                out = flash_forward(*(o[0] for o in ops), keep, scale, torch.stack([o[1] for o in ops]))
+            else:
+                out = flash_forward(qh, kh, vh, keep, scale)
+            out = out.to(q.dtype)
         else:
             p = _probabilities(qh, kh, scale, keep)
             out = (p.to(torch.bfloat16).float() @ vh).to(q.dtype)

@@ -102,7 +102,7 @@ def test_the_flash_forward_kernel_is_the_spec_within_the_bf16_rounding_of_p(name
     """hf_fp4.kernels.attention.flash_forward on the quantized Q^, K^, V^: within the spec's and the kernel's
     BF16 roundings of each P element plus FP32 accumulation of the float64 spec (causal + padding + a query that sees nothing, GQA
     expanded, ragged T over several key tiles); the unrounded P's product lies outside that bound."""
-    from hf_fp4.attention import quantize_rows
+    from hf_fp4.attention import quantize_rows, tensor_core_operand
     from hf_fp4.kernels.attention import flash_forward
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -116,7 +116,13 @@ def test_the_flash_forward_kernel_is_the_spec_within_the_bf16_rounding_of_p(name
     spec = None if name == "none" else QuantSpec.preset(name)
     qh, kh, vh = (quantize_rows(x, spec, 0) for x in (q, k, v))
     scale = D ** -0.5
-    out = flash_forward(qh.to(dev), kh.to(dev), vh.to(dev), keep.to(dev), scale).cpu().double()
+    outs = [flash_forward(qh.to(dev), kh.to(dev), vh.to(dev), keep.to(dev), scale).cpu().double()]
+    if spec is not None:  # the tensor cores' operands: exact BF16 values and a tensor decode scale
+        ops = [tensor_core_operand(x, spec, 0) for x in (q, k, v)]
+        for (values, decode), want_values in zip(ops, (qh, kh, vh)):
+            assert values.dtype == torch.bfloat16 and torch.equal(values.float() * decode, want_values)
+        decodes = torch.stack([o[1] for o in ops]).to(dev)
+        outs.append(flash_forward(*(o[0].to(dev) for o in ops), keep.to(dev), scale, decodes).cpu().double())
     s64 = (qh.double() @ kh.double().transpose(-1, -2) * scale).masked_fill(~keep, float("-inf"))
     p = torch.nan_to_num(torch.softmax(s64, -1), nan=0.0)
     mag = p @ vh.double().abs()
@@ -125,10 +131,12 @@ def test_the_flash_forward_kernel_is_the_spec_within_the_bf16_rounding_of_p(name
     ds_max = (D * 2.0**-24 * scale * (qh.double().abs() @ kh.double().abs().transpose(-1, -2))).amax(-1, keepdim=True)
     bound = (2.0**-7 + 4 * ds_max + t * 2.0**-24) * mag + 1e-30
     want = p.to(torch.bfloat16).double() @ vh.double()
-    assert torch.all((out - want).abs() <= bound), float(((out - want).abs() / bound).max())
-    assert torch.all(out[1, :, 4] == 0)
-    unrounded = p @ vh.double()  # the check can fail: a P product not rounded to BF16 is beyond it somewhere
-    assert not torch.all((out - unrounded).abs() <= 2.0**-12 * mag + 1e-30)
+    unrounded = p @ vh.double()
+    for out in outs:
+        assert torch.all((out - want).abs() <= bound), float(((out - want).abs() / bound).max())
+        assert torch.all(out[1, :, 4] == 0)
+        # the check can fail: a P product not rounded to BF16 is beyond it somewhere
+        assert not torch.all((out - unrounded).abs() <= 2.0**-12 * mag + 1e-30)
 
 
 def test_the_triton_forward_serves_fp4_attention_and_its_reference_backward():
