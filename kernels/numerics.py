@@ -224,6 +224,38 @@ def expand_blocks(v, BM: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, BC: t
 
 
 @triton.jit
+def fake_quantize_tile(x, stat_ptr, seed, rows, col0, KP, BM: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr,
+                       BC: tl.constexpr, GRID: tl.constexpr, QMAX: tl.constexpr, QM: tl.constexpr, QE: tl.constexpr,
+                       EMAX: tl.constexpr, SCALE: tl.constexpr, SR: tl.constexpr):
+    """quantize(x, spec).dequantize() of a finite [BM, BK] tile in FP32, as the reference: BR x BC blocks
+    (whole blocks in the tile), E8M0 (SCALE 0 floor / 1 ceil) or UE4M3 + FP32 tensor scale (SCALE 2, the tensor
+    amax at stat_ptr), nearest or stochastic rounding (SR: Philox noise of the padded [Mp, KP] matrix at global
+    `rows` and columns col0 + ...)."""
+    x = flush_subnormals(x)
+    amax = block_max(tl.abs(x), BM, BK, BR, BC)
+    if SCALE == 2:
+        s_enc = tensor_encode_scale(tl.load(stat_ptr), QMAX)
+        s_b = ue4m3_block_scale(amax, s_enc, QMAX)
+        s_dec = tl.math.div_rn(1.0, s_enc)
+        encode = tl.where(s_b > 0, capped_reciprocal(s_b * s_dec), 0.0)
+        block = s_b
+    else:
+        e = e8m0_exponent(amax, SCALE == 1, QM, QE, EMAX)
+        encode = pow2(-e)
+        block = pow2(e)
+        s_dec = 1.0
+    scaled = x * expand_blocks(encode, BM, BK, BR, BC)
+    m = tl.abs(scaled)
+    if SR:
+        u = sr_uniforms(seed, rows, col0, KP, BM, BK)
+    else:
+        u = m
+    q = round_grid(m, u, GRID, SR)
+    q = tl.where(scaled < 0, -q, q)
+    return (q * expand_blocks(block, BM, BK, BR, BC)) * s_dec
+
+
+@triton.jit
 def round_to_bf16(x):
     """FP32 x rounded to the nearest BF16 value (ties to even), kept in FP32: by hand, because Triton's
     interpreter truncates in .to(tl.bfloat16).  Finite inputs."""

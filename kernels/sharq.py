@@ -23,35 +23,8 @@ from hf_fp4.qtensor import NonFiniteError
 from hf_fp4.scales import ScaleRule
 from hf_fp4.spec import QuantSpec, Rounding
 
-from .numerics import (block_max, capped_reciprocal, e8m0_exponent, expand_blocks, flush_subnormals,
-                       grid_constants, pow2, round_grid, tensor_encode_scale, ue4m3_block_scale)
+from .numerics import fake_quantize_tile, flush_subnormals, grid_constants
 from .quant import SCALE_CODES
-
-
-@triton.jit
-def _fake_quantize(x, stat_ptr, BM: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr, GRID: tl.constexpr,
-                   QMAX: tl.constexpr, QM: tl.constexpr, QE: tl.constexpr, EMAX: tl.constexpr,
-                   SCALE: tl.constexpr):
-    """quantize(x, spec).dequantize() of a finite [BM, BK] tile (1 x BC blocks, nearest), as the reference."""
-    x = flush_subnormals(x)
-    amax = block_max(tl.abs(x), BM, BK, 1, BC)
-    if SCALE == 2:  # UE4M3 block scale + FP32 tensor scale
-        s_enc = tensor_encode_scale(tl.load(stat_ptr), QMAX)
-        s_b = ue4m3_block_scale(amax, s_enc, QMAX)
-        decode = s_b * tl.math.div_rn(1.0, s_enc)
-        encode = tl.where(s_b > 0, capped_reciprocal(decode), 0.0)
-        block = s_b
-        tensor = tl.math.div_rn(1.0, s_enc)
-    else:  # E8M0
-        e = e8m0_exponent(amax, SCALE == 1, QM, QE, EMAX)
-        encode = pow2(-e)
-        block = pow2(e)
-        tensor = 1.0
-    scaled = x * expand_blocks(encode, BM, BK, 1, BC)
-    m = tl.abs(scaled)
-    q = round_grid(m, m, GRID, False)
-    q = tl.where(scaled < 0, -q, q)
-    return (q * expand_blocks(block, BM, BK, 1, BC)) * tensor
 
 
 @triton.jit
@@ -85,12 +58,13 @@ def _sharq_kernel(x_ptr, sp_ptr, res_ptr, stat_ptr, bad_ptr, M, K, stride_m, str
         tl.atomic_max(bad_ptr, tl.max(tl.max(bad.to(tl.int32), axis=1), axis=0))
         tl.atomic_max(stat_ptr, tl.max(tl.max(tl.abs(flush_subnormals(sparse)), axis=1), axis=0))
         return
-    q_sp = _fake_quantize(sparse, stat_ptr, BM, BK, BC, GRID, QMAX, QM, QE, EMAX, SCALE)
+    q_sp = fake_quantize_tile(sparse, stat_ptr, 0, rows, 0, 0, BM, BK, 1, BC, GRID, QMAX, QM, QE, EMAX, SCALE, False)
     res = x - q_sp
     if PHASE == 1:
         tl.atomic_max(stat_ptr + 1, tl.max(tl.max(tl.abs(flush_subnormals(res)), axis=1), axis=0))
         return
-    q_res = _fake_quantize(res, stat_ptr + 1, BM, BK, BC, GRID, QMAX, QM, QE, EMAX, SCALE)
+    q_res = fake_quantize_tile(res, stat_ptr + 1, 0, rows, 0, 0, BM, BK, 1, BC, GRID, QMAX, QM, QE, EMAX, SCALE,
+                               False)
     out = rows[:, None].to(tl.int64) * K + cols[None, :]
     tl.store(sp_ptr + out, q_sp, mask=inside)
     tl.store(res_ptr + out, q_res, mask=inside)

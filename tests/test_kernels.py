@@ -404,3 +404,47 @@ def test_operand_kernel_breaks_exact_ties_to_the_even_code(grid, qmax, step_pts,
             "int4": [0, 2, 2, 4, 4, 6, 6]}[grid]
     expected = torch.tensor(even + [-v for v in even], dtype=torch.float32, device=units.device)
     assert torch.equal(units, expected), (grid, units)  # the reference itself breaks ties to even
+
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from hf_fp4.kernels.numerics import fake_quantize_tile  # noqa: E402
+
+
+@triton.jit
+def _tile_fake_quantize_kernel(x_ptr, out_ptr, stat_ptr, seed, M, K, KP, BM: tl.constexpr, BK: tl.constexpr,
+                               BR: tl.constexpr, BC: tl.constexpr, GRID: tl.constexpr, EMIN: tl.constexpr,
+                               MBITS: tl.constexpr, QMAX: tl.constexpr, QM: tl.constexpr, QE: tl.constexpr,
+                               EMAX: tl.constexpr, SCALE: tl.constexpr, SR: tl.constexpr):
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    cols = tl.program_id(1) * BK + tl.arange(0, BK)
+    inside = (rows[:, None] < M) & (cols[None, :] < K)
+    x = tl.load(x_ptr + rows[:, None] * K + cols[None, :], mask=inside, other=0.0)
+    y = fake_quantize_tile(x, stat_ptr, seed, rows, tl.program_id(1) * BK, KP, BM, BK, BR, BC, GRID, QMAX, QM, QE,
+                           EMAX, SCALE, SR)
+    tl.store(out_ptr + rows[:, None] * K + cols[None, :], y, mask=inside)
+
+
+@pytest.mark.parametrize("spec", [s for s in operand_specs() if s.scale.value != "fp32"
+                                  and s.grid.value != "e4m3"], ids=str)
+def test_the_tile_fake_quantizer_is_the_reference(spec):
+    """kernels.numerics.fake_quantize_tile (the in-register quantizer of the SharQ and attention kernels) equals
+    hf_fp4.quantize(...).dequantize() bit for bit: 1D and 2D blocks, E8M0 and two-level scales, nearest and
+    stochastic rounding (Philox at the element's place in the padded matrix), ragged edges."""
+    from hf_fp4.formats import flush_subnormals
+    from hf_fp4.kernels.numerics import grid_constants
+    from hf_fp4.kernels.quant import SCALE_CODES
+
+    x = wide(45, 70, seed=9)
+    br, bc = spec.block
+    bm, bk = max(32, br), max(64, bc)
+    kp = x.shape[1] + (-x.shape[1] % bc)
+    stat = flush_subnormals(x.float()).abs().max().reshape(1)
+    out = torch.empty_like(x)
+    sr = spec.rounding.value == "stochastic"
+    grid = (triton.cdiv(45, bm), triton.cdiv(70, bk))
+    _tile_fake_quantize_kernel[grid](x, out, stat, 1234, 45, 70, kp, BM=bm, BK=bk, BR=br, BC=bc,
+                                     **grid_constants(spec.grid), SCALE=SCALE_CODES[spec.scale], SR=sr)
+    want = quantize(x, spec, seed=1234 if sr else None).dequantize(torch.float32)
+    assert torch.equal(out, want), str(spec)
