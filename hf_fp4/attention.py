@@ -18,9 +18,10 @@ quantizers are straight-through.  Every format is a QuantSpec of an `AttentionRe
 `attention_forward` is registered with Transformers' attention interface as attn_implementation="hf_fp4"
 (causal, GQA, padding masks, sliding windows: it takes the boolean masks Transformers builds for SDPA), and
 `FP4TrainConfig(..., attention="nvfp4")` switches a model to it.  Stochastic-rounding specs draw their
-Philox seeds from a per-module call counter.  The forward can run as a Triton flash kernel
-(`backend="triton"`, or `config.hf_fp4_attention_backend = "triton"`; hf_fp4.kernels.attention), equal to
-this reference within the BF16 rounding of P; the backward is the reference's (it materialises P and dS).
+Philox seeds from a per-module call counter.  The Triton flash kernels (`backend="triton"`, or
+`config.hf_fp4_attention_backend = "triton"`; hf_fp4.kernels.attention) compute the same without
+materialising S, P or dS: within the BF16 rounding of P and FP32 arithmetic of this reference, with dS
+quantized in registers exactly as quantize_rows would quantize the kernel's own dS.
 """
 from __future__ import annotations
 
@@ -164,11 +165,17 @@ class FP4AttentionFunction(torch.autograd.Function):
             out = (p.to(torch.bfloat16).float() @ vh).to(q.dtype)
         ctx.save_for_backward(qh, kh, vh, out, keep)
         ctx.scale, ctx.recipe, ctx.seed, ctx.dtypes = scale, recipe, seed, (q.dtype, k.dtype, v.dtype)
+        ctx.backend = backend
         return out
 
     @staticmethod
     def backward(ctx, d_out):
         qh, kh, vh, out, keep = ctx.saved_tensors
+        q_dtype, k_dtype, v_dtype = ctx.dtypes
+        if ctx.backend == "triton":  # the flash backward: dS quantized in registers (hf_fp4.kernels.attention)
+            from .kernels.attention import flash_backward
+            dq, dk, dv = flash_backward(qh, kh, vh, out, d_out, keep, ctx.scale, ctx.recipe.ds, ctx.seed + 3)
+            return dq.to(q_dtype), dk.to(k_dtype), dv.to(v_dtype), None, None, None, None, None
         p = _probabilities(qh, kh, ctx.scale, keep)  # recomputed from the saved quantized Q^, K^
         d_out = d_out.float()
         dv = p.to(torch.bfloat16).float().transpose(-1, -2) @ d_out
@@ -177,15 +184,14 @@ class FP4AttentionFunction(torch.autograd.Function):
         ds_keys, ds_queries = _ds_operands(ds, ctx.recipe.ds, ctx.seed + 3)
         dq = (ds_keys @ kh) * ctx.scale
         dk = (ds_queries.transpose(-1, -2) @ qh) * ctx.scale
-        q_dtype, k_dtype, v_dtype = ctx.dtypes
         return dq.to(q_dtype), dk.to(k_dtype), dv.to(v_dtype), None, None, None, None, None
 
 
 def fp4_attention(q, k, v, keep=None, scale: float | None = None, recipe: "AttentionRecipe | str | dict" = "nvfp4",
                   seed: int = 0, backend: str = "reference") -> torch.Tensor:
     """FP4 attention of q [B, H, Tq, D] and k, v [B, Hkv, Tk, D] (Hkv divides H); keep: a boolean mask
-    (True: attend) broadcastable to [B, H, Tq, Tk], or None (no mask).  backend "triton": the forward runs
-    the flash kernel (within BF16 rounding of P of the reference; the backward is the reference's)."""
+    (True: attend) broadcastable to [B, H, Tq, Tk], or None (no mask).  backend "triton": the flash kernels
+    (hf_fp4.kernels.attention; equal to the reference within the BF16 rounding of P and FP32 arithmetic)."""
     if backend not in ("reference", "triton"):
         raise ValueError(f"fp4_attention: unknown backend {backend!r}; valid: reference, triton")
     if q.shape[1] % k.shape[1]:

@@ -1,4 +1,4 @@
-"""FP4 attention's forward as a Triton flash-attention kernel (issue 12; the backward is still the reference).
+"""FP4 attention as Triton flash-attention kernels (issue 12): `flash_forward` and `flash_backward`.
 
 `flash_forward(qh, kh, vh, keep, scale, decodes)` takes the quantized Q^, K^, V^ of `hf_fp4.attention`
 ([B, H, T, D], GQA expanded) -- as FP32 values, or as exact BF16 values (code x block scale,
@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
-from .numerics import round_to_bf16
+from .numerics import fake_quantize_tile, round_to_bf16
 
 
 @triton.jit
@@ -101,3 +101,174 @@ def flash_forward(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, keep: to
         *vh.stride()[:3], *mask_strides, *out.stride()[:3], BM=bm, BN=bn, D=dim, HAS_KEEP=has_keep, TC=tc,
         INTERPRETED=not qh.is_cuda, num_warps=4)
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Backward: the reference's dV = bf16(P)^T dO, dP = dO V^T, dS = P (dP - D), dQ = Q_keys(dS) K^ scale,
+# dK = Q_queries(dS)^T Q^ scale, tile by tile without materialising S, P or dS.  Four phases over the same
+# tiles (each recomputes S and P from the saved Q^, K^ and the row's log-sum-exp):
+#   0  the log-sum-exp of every query row             (grid: query blocks)
+#   1  the tensor amax of dS (two-level dS specs only) (grid: query blocks)
+#   2  dQ                                             (grid: query blocks; loops over key blocks)
+#   3  dK and dV                                      (grid: key blocks; loops over query blocks)
+# dS is quantized in registers by numerics.fake_quantize_tile exactly as hf_fp4.attention.quantize_rows does
+# on the whole tensor: blocks along keys for dQ (rows = (b, h, query) of the flattened [B H Tq, Tk] matrix),
+# along queries for dK (rows = (b, h, key) of dS^T, seed + 1), or one 2D-tile quantization for both.
+# Phases 2 and 3 compute each dS element with the same instructions, so both GEMMs see the same dS.
+
+@triton.jit
+def _scores(q, k_ptr, kb, cols, d, sk_t, TK, keep_ptr, mb, rows, sm_q, sm_k, TQ, s_scale,
+            HAS_KEEP: tl.constexpr, TC: tl.constexpr, INTERPRETED: tl.constexpr):
+    """S tile [BM, BN] (masked entries -inf) and the key tile it used."""
+    k = tl.load(k_ptr + kb + cols[:, None] * sk_t + d[None, :], mask=cols[:, None] < TK, other=0.0)
+    s = _dot(q, tl.trans(k), TC, INTERPRETED) * s_scale
+    valid = (rows[:, None] < TQ) & (cols[None, :] < TK)
+    if HAS_KEEP:
+        keep = tl.load(keep_ptr + mb + rows[:, None] * sm_q + cols[None, :] * sm_k, mask=valid, other=0)
+        valid = valid & (keep != 0)
+    return tl.where(valid, s, float("-inf")), k
+
+
+@triton.jit
+def _probs_and_ds(s, lse, do, v, delta, TC: tl.constexpr, INTERPRETED: tl.constexpr):
+    """P = exp(S - lse) (0 where masked or the row sees nothing) and dS = P (dO V^T - D)."""
+    live = lse < float("inf")
+    p = tl.where((s > float("-inf")) & live[:, None], tl.exp(s - tl.where(live, lse, 0.0)[:, None]), 0.0)
+    dp = _dot(do, tl.trans(v), False, INTERPRETED)
+    return p, p * (dp - delta[:, None])
+
+
+@triton.jit
+def _flash_backward_kernel(q_ptr, k_ptr, v_ptr, do_ptr, delta_ptr, lse_ptr, stat_ptr, keep_ptr,
+                           dq_ptr, dk_ptr, dv_ptr, dbg_ptr, seed, H, TQ, TK, TQ_ROWS, TK_ROWS, KP_Q, KP_K, scale,
+                           sm_b, sm_h, sm_q, sm_k,
+                           BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, HAS_KEEP: tl.constexpr,
+                           PHASE: tl.constexpr, QUANT: tl.constexpr, SQUARE: tl.constexpr, BR: tl.constexpr,
+                           BC: tl.constexpr, GRID: tl.constexpr, QMAX: tl.constexpr, QM: tl.constexpr,
+                           QE: tl.constexpr, EMAX: tl.constexpr, SCALE: tl.constexpr, SR: tl.constexpr,
+                           DEBUG: tl.constexpr, INTERPRETED: tl.constexpr):
+    pid, pid_bh = tl.program_id(0), tl.program_id(1)
+    b, h = pid_bh // H, pid_bh % H
+    d = tl.arange(0, D)
+    qb, kb, mb = pid_bh * TQ * D, pid_bh * TK * D, b * sm_b + h * sm_h  # Q^, dO, dQ [B H TQ D]; K^, V^ [B H TK D]
+    if PHASE < 3:  # a block of query rows against every key block
+        rows = pid * BM + tl.arange(0, BM)
+        q = tl.load(q_ptr + qb + rows[:, None] * D + d[None, :], mask=rows[:, None] < TQ, other=0.0)
+        if PHASE == 0:
+            m_i = tl.full([BM], float("-inf"), tl.float32)
+            l_i = tl.zeros([BM], tl.float32)
+            for start in range(0, TK, BN):
+                cols = start + tl.arange(0, BN)
+                s, k = _scores(q, k_ptr, kb, cols, d, D, TK, keep_ptr, mb, rows, sm_q, sm_k, TQ, scale, HAS_KEEP,
+                               False, INTERPRETED)
+                m_new = tl.maximum(m_i, tl.max(s, axis=1))
+                live = m_new > float("-inf")
+                l_i = l_i * tl.where(live, tl.exp(m_i - tl.where(live, m_new, 0.0)), 1.0) + tl.sum(
+                    tl.where(s > float("-inf"), tl.exp(s - tl.where(live, m_new, 0.0)[:, None]), 0.0), axis=1)
+                m_i = m_new
+            lse = tl.where(l_i > 0, m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)), float("inf"))
+            tl.store(lse_ptr + pid_bh * TQ + rows, lse, mask=rows < TQ)
+            return
+        do = tl.load(do_ptr + qb + rows[:, None] * D + d[None, :], mask=rows[:, None] < TQ, other=0.0)
+        lse = tl.load(lse_ptr + pid_bh * TQ + rows, mask=rows < TQ, other=float("inf"))
+        delta = tl.load(delta_ptr + pid_bh * TQ + rows, mask=rows < TQ, other=0.0)
+        dq = tl.zeros([BM, D], tl.float32)
+        amax = tl.zeros([BM], tl.float32)
+        for start in range(0, TK, BN):
+            cols = start + tl.arange(0, BN)
+            s, k = _scores(q, k_ptr, kb, cols, d, D, TK, keep_ptr, mb, rows, sm_q, sm_k, TQ, scale, HAS_KEEP,
+                           False, INTERPRETED)
+            v = tl.load(v_ptr + kb + cols[:, None] * D + d[None, :], mask=cols[:, None] < TK, other=0.0)
+            p, ds = _probs_and_ds(s, lse, do, v, delta, False, INTERPRETED)
+            if PHASE == 1:
+                amax = tl.maximum(amax, tl.max(tl.abs(ds), axis=1))
+            else:
+                if DEBUG:
+                    tl.store(dbg_ptr + pid_bh * TQ * TK + rows[:, None] * TK + cols[None, :], ds,
+                             mask=(rows[:, None] < TQ) & (cols[None, :] < TK))
+                if QUANT:  # along keys: rows of the flattened [B H TQ_ROWS, KP_Q] matrix
+                    ds = fake_quantize_tile(ds, stat_ptr, seed, pid_bh * TQ_ROWS + rows, start, KP_Q, BM, BN, BR, BC,
+                                            GRID, QMAX, QM, QE, EMAX, SCALE, SR)
+                dq += _dot(ds, k, False, INTERPRETED)
+        if PHASE == 1:
+            tl.atomic_max(stat_ptr, tl.max(amax, axis=0))
+        else:
+            tl.store(dq_ptr + qb + rows[:, None] * D + d[None, :], dq * scale, mask=rows[:, None] < TQ)
+    else:  # PHASE 3: a block of keys against every query block
+        cols = pid * BN + tl.arange(0, BN)
+        k = tl.load(k_ptr + kb + cols[:, None] * D + d[None, :], mask=cols[:, None] < TK, other=0.0)
+        v = tl.load(v_ptr + kb + cols[:, None] * D + d[None, :], mask=cols[:, None] < TK, other=0.0)
+        dk = tl.zeros([BN, D], tl.float32)
+        dv = tl.zeros([BN, D], tl.float32)
+        for start in range(0, TQ, BM):
+            rows = start + tl.arange(0, BM)
+            q = tl.load(q_ptr + qb + rows[:, None] * D + d[None, :], mask=rows[:, None] < TQ, other=0.0)
+            do = tl.load(do_ptr + qb + rows[:, None] * D + d[None, :], mask=rows[:, None] < TQ, other=0.0)
+            lse = tl.load(lse_ptr + pid_bh * TQ + rows, mask=rows < TQ, other=float("inf"))
+            delta = tl.load(delta_ptr + pid_bh * TQ + rows, mask=rows < TQ, other=0.0)
+            s, k = _scores(q, k_ptr, kb, cols, d, D, TK, keep_ptr, mb, rows, sm_q, sm_k, TQ, scale, HAS_KEEP,
+                           False, INTERPRETED)
+            p, ds = _probs_and_ds(s, lse, do, v, delta, False, INTERPRETED)
+            dv += _dot(tl.trans(round_to_bf16(p)), do, False, INTERPRETED)
+            if QUANT:
+                if SQUARE:  # one 2D-tile quantization serves both GEMMs
+                    ds = fake_quantize_tile(ds, stat_ptr, seed, pid_bh * TQ_ROWS + rows, pid * BN, KP_Q, BM, BN,
+                                            BR, BC, GRID, QMAX, QM, QE, EMAX, SCALE, SR)
+                    dk += _dot(tl.trans(ds), q, False, INTERPRETED)
+                else:  # along queries: rows of the flattened [B H TK_ROWS, KP_K] matrix of dS^T, seed + 1
+                    dst = fake_quantize_tile(tl.trans(ds), stat_ptr, seed + 1, pid_bh * TK_ROWS + cols, start, KP_K,
+                                             BN, BM, BR, BC, GRID, QMAX, QM, QE, EMAX, SCALE, SR)
+                    dk += _dot(dst, q, False, INTERPRETED)
+            else:
+                dk += _dot(tl.trans(ds), q, False, INTERPRETED)
+        tl.store(dk_ptr + kb + cols[:, None] * D + d[None, :], dk * scale, mask=cols[:, None] < TK)
+        tl.store(dv_ptr + kb + cols[:, None] * D + d[None, :], dv, mask=cols[:, None] < TK)
+
+
+def flash_backward(qh, kh, vh, out, d_out, keep, scale: float, ds_spec, seed: int, tile: tuple[int, int] = (32, 32),
+                   debug: bool = False):
+    """dQ, dK, dV in FP32 ([B, H, T, D], GQA expanded) of hf_fp4.attention's backward, from the saved FP32 Q^, K^,
+    V^, the forward output and dO; ds_spec: dS's QuantSpec (None: high precision).  debug: also the unquantized
+    dS [B, H, TQ, TK] the kernels computed (tests)."""
+    from hf_fp4.formats import Grid
+    from hf_fp4.scales import ScaleRule
+    from hf_fp4.spec import Rounding
+
+    from .numerics import grid_constants
+    from .quant import SCALE_CODES
+
+    bsz, heads, tq, dim = qh.shape
+    tk = kh.shape[2]
+    dev = qh.device
+    qh, kh, vh, do = (t.float().contiguous() for t in (qh, kh, vh, d_out))
+    delta = (d_out.float() * out.float()).sum(-1).contiguous()  # D = rowsum(dO * O), as the reference
+    lse = torch.empty(bsz, heads, tq, dtype=torch.float32, device=dev)
+    stat = torch.zeros(1, dtype=torch.float32, device=dev)
+    dq, dk, dv = torch.empty_like(qh), torch.empty_like(kh), torch.empty_like(vh)
+    dbg = torch.zeros(bsz, heads, tq, tk, dtype=torch.float32, device=dev) if debug else stat
+    if keep is not None:
+        keep_t = keep.to(torch.int8).expand(bsz, heads, tq, tk)
+        mask_strides = keep_t.stride()
+    else:
+        keep_t, mask_strides = torch.empty(1, dtype=torch.int8, device=dev), (0, 0, 0, 0)
+    bm, bn = tile
+    quant = dict(QUANT=False, SQUARE=False, BR=1, BC=16, **grid_constants(Grid.E2M1), SCALE=0, SR=False)
+    rows_q, rows_k, kp_q, kp_k = tq, tk, tk, tq
+    if ds_spec is not None:
+        br, bc = ds_spec.block
+        if bm % max(br, bc) or bn % max(br, bc) or ds_spec.scale is ScaleRule.FP32:
+            raise ValueError(f"flash_backward: dS spec {ds_spec} does not fit {bm}x{bn} tiles")
+        quant = dict(QUANT=True, SQUARE=br == bc, BR=br, BC=bc, **grid_constants(ds_spec.grid),
+                     SCALE=SCALE_CODES[ds_spec.scale], SR=ds_spec.rounding is Rounding.STOCHASTIC)
+        rows_q, rows_k = tq + (-tq % br), tk + (-tk % br)  # quantize_rows pads each matrix's rows to the block
+        kp_q, kp_k = tk + (-tk % bc), tq + (-tq % bc)
+    quant.pop("EMIN", None)
+    quant.pop("MBITS", None)
+    args = (qh, kh, vh, do, delta, lse, stat, keep_t, dq, dk, dv, dbg, seed, heads, tq, tk, rows_q, rows_k, kp_q, kp_k,
+            float(scale), *mask_strides)
+    consts = dict(BM=bm, BN=bn, D=dim, HAS_KEEP=keep is not None, DEBUG=debug, INTERPRETED=not qh.is_cuda, **quant)
+    phases = [0, 1, 2, 3] if quant["QUANT"] and quant["SCALE"] == 2 else [0, 2, 3]
+    for phase in phases:
+        grid = (triton.cdiv(tk, bn) if phase == 3 else triton.cdiv(tq, bm), bsz * heads)
+        wrap_triton(_flash_backward_kernel)[grid](*args, PHASE=phase, num_warps=4, **consts)
+    return (dq, dk, dv, dbg) if debug else (dq, dk, dv)

@@ -377,7 +377,7 @@ def bench_attention(dev, quick, results):
     impls = {"sdpa": lambda q, k, v: nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
                                                                                  enable_gqa=True),
              "hf_fp4:nvfp4:reference": lambda q, k, v: fp4_attention(q, k, v, keep, recipe="nvfp4"),
-             "hf_fp4:nvfp4:triton_forward": lambda q, k, v: fp4_attention(q, k, v, keep, recipe="nvfp4",
+             "hf_fp4:nvfp4:triton": lambda q, k, v: fp4_attention(q, k, v, keep, recipe="nvfp4",
                                                                           backend="triton")}
     if dev != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         del impls["hf_fp4:nvfp4:triton_forward"]  # Triton on the CPU needs its interpreter

@@ -15,7 +15,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 if [ "$what" = tests ] || [ "$what" = all ]; then
   # -P: keep the repository root off sys.path, so the installed hf_fp4 (with hf_fp4.kernels) is used
   python3 -P -m pytest -q -p no:cacheprovider -x ${TESTS:-tests/test_kernels.py tests/test_linear.py \
-    tests/test_formats.py tests/test_quantize.py tests/test_hadamard.py tests/test_sharq.py} 2>&1 | tee "$OUT/gpu_tests.log" | tail -15 \
+    tests/test_formats.py tests/test_quantize.py tests/test_hadamard.py tests/test_sharq.py tests/test_attention.py} 2>&1 | tee "$OUT/gpu_tests.log" | tail -15 \
     || status=1
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then

@@ -1,5 +1,7 @@
 """FP4 attention (hf_fp4.attention): the reference against products built independently from the spec in
 float64, SDPA when nothing is quantized, masks and GQA, and attn_implementation="hf_fp4" in a model."""
+import dataclasses
+
 import pytest
 import torch
 from tiny import tiny_config
@@ -137,6 +139,52 @@ def test_the_flash_forward_kernel_is_the_spec_within_the_bf16_rounding_of_p(name
         assert torch.all(out[1, :, 4] == 0)
         # the check can fail: a P product not rounded to BF16 is beyond it somewhere
         assert not torch.all((out - unrounded).abs() <= 2.0**-12 * mag + 1e-30)
+
+
+BWD_SPECS = {"mxfp4": QuantSpec.preset("mxfp4"), "nvfp4": QuantSpec.preset("nvfp4"),
+             "nvfp4-sr": dataclasses.replace(QuantSpec.preset("nvfp4"), rounding="stochastic"),
+             "nvfp4_2d": QuantSpec.preset("nvfp4_2d"), "none": None}
+
+
+@pytest.mark.parametrize("name", sorted(BWD_SPECS))
+def test_the_flash_backward_quantizes_its_ds_as_the_spec_and_makes_the_spec_gradients(name):
+    """hf_fp4.kernels.attention.flash_backward, against the spec in float64: its dS (dumped) is the reference's
+    within FP32 arithmetic; dQ and dK equal the products of *that* dS quantized by the reference quantizer
+    (along keys / along queries with seed + 1 / one 2D tile for both) and K^ / Q^ within FP32 accumulation --
+    so every quantized dS element in registers is the spec's, bit for bit -- and dV = bf16(P)^T dO within the
+    BF16 rounding of P.  Causal + padding + a query that sees nothing, ragged T over several tiles."""
+    from hf_fp4.attention import _ds_operands
+    from hf_fp4.kernels.attention import flash_backward
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    spec = BWD_SPECS[name]
+    g = torch.Generator().manual_seed(11)
+    t = 72
+    qh, kh, vh, do = (torch.randn(1, 2, t, D, generator=g) for _ in range(4))
+    keep = torch.ones(1, 1, t, t, dtype=torch.bool).tril()
+    keep[..., :3] = False
+    keep[..., 2, :] = False
+    scale = D ** -0.5
+    s64 = (qh.double() @ kh.double().transpose(-1, -2) * scale).masked_fill(~keep, float("-inf"))
+    p = torch.nan_to_num(torch.softmax(s64, -1), nan=0.0)
+    out = (p.to(torch.bfloat16).double() @ vh.double()).float()
+    ds = p * (do.double() @ vh.double().transpose(-1, -2) - (do.double() * out.double()).sum(-1, keepdim=True))
+    dq, dk, dv, dbg = (x.cpu().double() for x in flash_backward(*(x.to(dev) for x in (qh, kh, vh, out, do)),
+                                                                 keep.to(dev), scale, spec, 7, debug=True))
+    assert (dbg - ds).abs().max() <= 1e-5 * ds.abs().max()
+    assert torch.all(dq[0, :, 2] == 0) and torch.all(dbg[0, :, 2] == 0)  # the query that sees nothing
+    ds_keys, ds_queries = (x.double() for x in _ds_operands(dbg.float(), spec, 7))
+    fp32 = t * 2.0**-24 + 2.0**-23  # FP32 accumulation over keys / queries, then the multiplication by scale
+
+    def within(got, a, b, extra=0.0):
+        bound = (fp32 + extra) * (a.abs() @ b.abs()) + 1e-30
+        return bool(torch.all((got - a @ b).abs() <= bound))
+
+    assert within(dq, ds_keys * scale, kh.double())
+    assert within(dk, ds_queries.transpose(-1, -2) * scale, qh.double())
+    assert within(dv, p.to(torch.bfloat16).double().transpose(-1, -2), do.double(), 2.0**-7 + 1e-5)
+    if spec is not None:  # the check can fail: dQ from the unquantized dS is outside it
+        assert not within(dq, dbg * scale, kh.double())
 
 
 def test_the_triton_forward_serves_fp4_attention_and_its_reference_backward():
