@@ -367,7 +367,7 @@ def bench50m_model() -> dict:
 
 def bench_attention(dev, quick, results):
     """FP4 attention (issue 12) against PyTorch's SDPA (bf16, causal, GQA): forward and forward + backward ms,
-    peak memory.  hf_fp4 runs nvfp4 Q/K/V/dS with the reference or the Triton flash forward."""
+    peak memory.  hf_fp4 runs nvfp4 Q/K/V/dS with the reference or the Triton flash kernels."""
     from hf_fp4.attention import fp4_attention
 
     b, h, hkv, t, d = (1, 4, 2, 64, 32) if quick else (1, 32, 8, 4096, 128)
@@ -380,7 +380,7 @@ def bench_attention(dev, quick, results):
              "hf_fp4:nvfp4:triton": lambda q, k, v: fp4_attention(q, k, v, keep, recipe="nvfp4",
                                                                           backend="triton")}
     if dev != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        del impls["hf_fp4:nvfp4:triton_forward"]  # Triton on the CPU needs its interpreter
+        del impls["hf_fp4:nvfp4:triton"]  # Triton on the CPU needs its interpreter
     rows = []
     for name, fn in impls.items():
         row = [name]
