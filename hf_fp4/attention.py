@@ -149,12 +149,12 @@ class FP4AttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, keep, scale: float, recipe: AttentionRecipe, seed: int, backend: str = "reference"):
-        qh, kh, vh = (quantize_rows(t, getattr(recipe, n), seed + i) for i, (t, n) in
-                      enumerate(((q, "q"), (k, "k"), (v, "v"))))
+        args = [(t, getattr(recipe, n), seed + i) for i, (t, n) in enumerate(((q, "q"), (k, "k"), (v, "v")))]
+        # the flash kernels take exact BF16 values and tensor decodes; their product is the reference's values
+        ops = [tensor_core_operand(*a) for a in args] if backend == "triton" else [None] * 3
+        qh, kh, vh = (o[0].float() * o[1] if o is not None else quantize_rows(*a) for o, a in zip(ops, args))
         if backend == "triton":  # the flash kernel: P never materialised (hf_fp4.kernels.attention)
             from .kernels.attention import flash_forward
-            ops = [tensor_core_operand(t, getattr(recipe, n), seed + i) for i, (t, n) in
-                   enumerate(((q, "q"), (k, "k"), (v, "v")))]
             if all(o is not None for o in ops):  # exact BF16 values: the tensor cores
                 out = flash_forward(*(o[0] for o in ops), keep, scale, torch.stack([o[1] for o in ops]))
             else:
