@@ -153,28 +153,29 @@ class FP4AttentionFunction(torch.autograd.Function):
         # the flash kernels take exact BF16 values and tensor decodes; their product is the reference's values
         ops = [tensor_core_operand(*a) for a in args] if backend == "triton" else [None] * 3
         qh, kh, vh = (o[0].float() * o[1] if o is not None else quantize_rows(*a) for o, a in zip(ops, args))
+        decodes = None
         if backend == "triton":  # the flash kernel: P never materialised (hf_fp4.kernels.attention)
             from .kernels.attention import flash_forward
-            if all(o is not None for o in ops):  # exact BF16 values: the tensor cores
-                out = flash_forward(*(o[0] for o in ops), keep, scale, torch.stack([o[1] for o in ops]))
-            else:
-                out = flash_forward(qh, kh, vh, keep, scale)
-            out = out.to(q.dtype)
+            if all(o is not None for o in ops):  # exact BF16 values: the tensor cores (saved as such)
+                decodes = torch.stack([o[1] for o in ops])
+                qh, kh, vh = (o[0] for o in ops)
+            out = flash_forward(qh, kh, vh, keep, scale, decodes).to(q.dtype)
         else:
             p = _probabilities(qh, kh, scale, keep)
             out = (p.to(torch.bfloat16).float() @ vh).to(q.dtype)
-        ctx.save_for_backward(qh, kh, vh, out, keep)
+        ctx.save_for_backward(qh, kh, vh, out, keep, decodes)
         ctx.scale, ctx.recipe, ctx.seed, ctx.dtypes = scale, recipe, seed, (q.dtype, k.dtype, v.dtype)
         ctx.backend = backend
         return out
 
     @staticmethod
     def backward(ctx, d_out):
-        qh, kh, vh, out, keep = ctx.saved_tensors
+        qh, kh, vh, out, keep, decodes = ctx.saved_tensors
         q_dtype, k_dtype, v_dtype = ctx.dtypes
         if ctx.backend == "triton":  # the flash backward: dS quantized in registers (hf_fp4.kernels.attention)
             from .kernels.attention import flash_backward
-            dq, dk, dv = flash_backward(qh, kh, vh, out, d_out, keep, ctx.scale, ctx.recipe.ds, ctx.seed + 3)
+            dq, dk, dv = flash_backward(qh, kh, vh, out, d_out, keep, ctx.scale, ctx.recipe.ds, ctx.seed + 3,
+                                        decodes)
             return dq.to(q_dtype), dk.to(k_dtype), dv.to(v_dtype), None, None, None, None, None
         p = _probabilities(qh, kh, ctx.scale, keep)  # recomputed from the saved quantized Q^, K^
         d_out = d_out.float()

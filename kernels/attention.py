@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
-from .numerics import fake_quantize_tile, round_to_bf16
+from .numerics import quantize_tile, round_to_bf16, tensor_encode_scale
 
 
 @triton.jit
@@ -111,7 +111,7 @@ def flash_forward(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, keep: to
 #   1  the tensor amax of dS (two-level dS specs only) (grid: query blocks)
 #   2  dQ                                             (grid: query blocks; loops over key blocks)
 #   3  dK and dV                                      (grid: key blocks; loops over query blocks)
-# dS is quantized in registers by numerics.fake_quantize_tile exactly as hf_fp4.attention.quantize_rows does
+# dS is quantized in registers by numerics.quantize_tile exactly as hf_fp4.attention.quantize_rows does
 # on the whole tensor: blocks along keys for dQ (rows = (b, h, query) of the flattened [B H Tq, Tk] matrix),
 # along queries for dK (rows = (b, h, key) of dS^T, seed + 1), or one 2D-tile quantization for both.
 # Phases 2 and 3 compute each dS element with the same instructions, so both GEMMs see the same dS.
@@ -130,24 +130,29 @@ def _scores(q, k_ptr, kb, cols, d, sk_t, TK, keep_ptr, mb, rows, sm_q, sm_k, TQ,
 
 
 @triton.jit
-def _probs_and_ds(s, lse, do, v, delta, TC: tl.constexpr, INTERPRETED: tl.constexpr):
+def _probs_and_ds(s, lse, do, v, delta, dec_v, TC: tl.constexpr, INTERPRETED: tl.constexpr):
     """P = exp(S - lse) (0 where masked or the row sees nothing) and dS = P (dO V^T - D)."""
     live = lse < float("inf")
     p = tl.where((s > float("-inf")) & live[:, None], tl.exp(s - tl.where(live, lse, 0.0)[:, None]), 0.0)
-    dp = _dot(do, tl.trans(v), False, INTERPRETED)
+    dp = _dot(do, tl.trans(v), TC, INTERPRETED) * dec_v
     return p, p * (dp - delta[:, None])
 
 
 @triton.jit
-def _flash_backward_kernel(q_ptr, k_ptr, v_ptr, do_ptr, delta_ptr, lse_ptr, stat_ptr, keep_ptr,
+def _flash_backward_kernel(q_ptr, k_ptr, v_ptr, dec_ptr, do_ptr, delta_ptr, lse_ptr, stat_ptr, keep_ptr,
                            dq_ptr, dk_ptr, dv_ptr, dbg_ptr, seed, H, TQ, TK, TQ_ROWS, TK_ROWS, KP_Q, KP_K, scale,
                            sm_b, sm_h, sm_q, sm_k,
                            BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, HAS_KEEP: tl.constexpr,
                            PHASE: tl.constexpr, QUANT: tl.constexpr, SQUARE: tl.constexpr, BR: tl.constexpr,
                            BC: tl.constexpr, GRID: tl.constexpr, QMAX: tl.constexpr, QM: tl.constexpr,
                            QE: tl.constexpr, EMAX: tl.constexpr, SCALE: tl.constexpr, SR: tl.constexpr,
-                           DEBUG: tl.constexpr, INTERPRETED: tl.constexpr):
+                           DEBUG: tl.constexpr, TC: tl.constexpr, INTERPRETED: tl.constexpr):
     pid, pid_bh = tl.program_id(0), tl.program_id(1)
+    dec_q, dec_k, dec_v = tl.load(dec_ptr), tl.load(dec_ptr + 1), tl.load(dec_ptr + 2)
+    s_scale = dec_q * dec_k * scale  # Q^ = q dec_q, K^ = k dec_k, V^ = v dec_v
+    ds_dec = 1.0
+    if QUANT and SCALE == 2:
+        ds_dec = tl.math.div_rn(1.0, tensor_encode_scale(tl.load(stat_ptr), QMAX))  # dS's tensor decode
     b, h = pid_bh // H, pid_bh % H
     d = tl.arange(0, D)
     qb, kb, mb = pid_bh * TQ * D, pid_bh * TK * D, b * sm_b + h * sm_h  # Q^, dO, dQ [B H TQ D]; K^, V^ [B H TK D]
@@ -159,8 +164,8 @@ def _flash_backward_kernel(q_ptr, k_ptr, v_ptr, do_ptr, delta_ptr, lse_ptr, stat
             l_i = tl.zeros([BM], tl.float32)
             for start in range(0, TK, BN):
                 cols = start + tl.arange(0, BN)
-                s, k = _scores(q, k_ptr, kb, cols, d, D, TK, keep_ptr, mb, rows, sm_q, sm_k, TQ, scale, HAS_KEEP,
-                               False, INTERPRETED)
+                s, k = _scores(q, k_ptr, kb, cols, d, D, TK, keep_ptr, mb, rows, sm_q, sm_k, TQ, s_scale, HAS_KEEP,
+                               TC, INTERPRETED)
                 m_new = tl.maximum(m_i, tl.max(s, axis=1))
                 live = m_new > float("-inf")
                 l_i = l_i * tl.where(live, tl.exp(m_i - tl.where(live, m_new, 0.0)), 1.0) + tl.sum(
@@ -176,10 +181,10 @@ def _flash_backward_kernel(q_ptr, k_ptr, v_ptr, do_ptr, delta_ptr, lse_ptr, stat
         amax = tl.zeros([BM], tl.float32)
         for start in range(0, TK, BN):
             cols = start + tl.arange(0, BN)
-            s, k = _scores(q, k_ptr, kb, cols, d, D, TK, keep_ptr, mb, rows, sm_q, sm_k, TQ, scale, HAS_KEEP,
-                           False, INTERPRETED)
+            s, k = _scores(q, k_ptr, kb, cols, d, D, TK, keep_ptr, mb, rows, sm_q, sm_k, TQ, s_scale, HAS_KEEP,
+                           TC, INTERPRETED)
             v = tl.load(v_ptr + kb + cols[:, None] * D + d[None, :], mask=cols[:, None] < TK, other=0.0)
-            p, ds = _probs_and_ds(s, lse, do, v, delta, False, INTERPRETED)
+            p, ds = _probs_and_ds(s, lse, do, v, delta, dec_v, TC, INTERPRETED)
             if PHASE == 1:
                 amax = tl.maximum(amax, tl.max(tl.abs(ds), axis=1))
             else:
@@ -187,13 +192,16 @@ def _flash_backward_kernel(q_ptr, k_ptr, v_ptr, do_ptr, delta_ptr, lse_ptr, stat
                     tl.store(dbg_ptr + pid_bh * TQ * TK + rows[:, None] * TK + cols[None, :], ds,
                              mask=(rows[:, None] < TQ) & (cols[None, :] < TK))
                 if QUANT:  # along keys: rows of the flattened [B H TQ_ROWS, KP_Q] matrix
-                    ds = fake_quantize_tile(ds, stat_ptr, seed, pid_bh * TQ_ROWS + rows, start, KP_Q, BM, BN, BR, BC,
+                    vals, _ = quantize_tile(ds, stat_ptr, seed, pid_bh * TQ_ROWS + rows, start, KP_Q, BM, BN, BR, BC,
                                             GRID, QMAX, QM, QE, EMAX, SCALE, SR)
-                dq += _dot(ds, k, False, INTERPRETED)
+                    dq += _dot(vals, k, TC, INTERPRETED)
+                else:
+                    dq += _dot(ds, k, False, INTERPRETED)
         if PHASE == 1:
             tl.atomic_max(stat_ptr, tl.max(amax, axis=0))
         else:
-            tl.store(dq_ptr + qb + rows[:, None] * D + d[None, :], dq * scale, mask=rows[:, None] < TQ)
+            tl.store(dq_ptr + qb + rows[:, None] * D + d[None, :], dq * (ds_dec * dec_k * scale),
+                     mask=rows[:, None] < TQ)
     else:  # PHASE 3: a block of keys against every query block
         cols = pid * BN + tl.arange(0, BN)
         k = tl.load(k_ptr + kb + cols[:, None] * D + d[None, :], mask=cols[:, None] < TK, other=0.0)
@@ -206,30 +214,32 @@ def _flash_backward_kernel(q_ptr, k_ptr, v_ptr, do_ptr, delta_ptr, lse_ptr, stat
             do = tl.load(do_ptr + qb + rows[:, None] * D + d[None, :], mask=rows[:, None] < TQ, other=0.0)
             lse = tl.load(lse_ptr + pid_bh * TQ + rows, mask=rows < TQ, other=float("inf"))
             delta = tl.load(delta_ptr + pid_bh * TQ + rows, mask=rows < TQ, other=0.0)
-            s, k = _scores(q, k_ptr, kb, cols, d, D, TK, keep_ptr, mb, rows, sm_q, sm_k, TQ, scale, HAS_KEEP,
-                           False, INTERPRETED)
-            p, ds = _probs_and_ds(s, lse, do, v, delta, False, INTERPRETED)
-            dv += _dot(tl.trans(round_to_bf16(p)), do, False, INTERPRETED)
+            s, k = _scores(q, k_ptr, kb, cols, d, D, TK, keep_ptr, mb, rows, sm_q, sm_k, TQ, s_scale, HAS_KEEP,
+                           TC, INTERPRETED)
+            p, ds = _probs_and_ds(s, lse, do, v, delta, dec_v, TC, INTERPRETED)
+            dv += _dot(tl.trans(round_to_bf16(p)), do, TC, INTERPRETED)
             if QUANT:
                 if SQUARE:  # one 2D-tile quantization serves both GEMMs
-                    ds = fake_quantize_tile(ds, stat_ptr, seed, pid_bh * TQ_ROWS + rows, pid * BN, KP_Q, BM, BN,
+                    vals, _ = quantize_tile(ds, stat_ptr, seed, pid_bh * TQ_ROWS + rows, pid * BN, KP_Q, BM, BN,
                                             BR, BC, GRID, QMAX, QM, QE, EMAX, SCALE, SR)
-                    dk += _dot(tl.trans(ds), q, False, INTERPRETED)
+                    dk += _dot(tl.trans(vals), q, TC, INTERPRETED)
                 else:  # along queries: rows of the flattened [B H TK_ROWS, KP_K] matrix of dS^T, seed + 1
-                    dst = fake_quantize_tile(tl.trans(ds), stat_ptr, seed + 1, pid_bh * TK_ROWS + cols, start, KP_K,
-                                             BN, BM, BR, BC, GRID, QMAX, QM, QE, EMAX, SCALE, SR)
-                    dk += _dot(dst, q, False, INTERPRETED)
+                    vals, _ = quantize_tile(tl.trans(ds), stat_ptr, seed + 1, pid_bh * TK_ROWS + cols, start, KP_K,
+                                            BN, BM, BR, BC, GRID, QMAX, QM, QE, EMAX, SCALE, SR)
+                    dk += _dot(vals, q, TC, INTERPRETED)
             else:
                 dk += _dot(tl.trans(ds), q, False, INTERPRETED)
-        tl.store(dk_ptr + kb + cols[:, None] * D + d[None, :], dk * scale, mask=cols[:, None] < TK)
+        tl.store(dk_ptr + kb + cols[:, None] * D + d[None, :], dk * (ds_dec * dec_q * scale), mask=cols[:, None] < TK)
         tl.store(dv_ptr + kb + cols[:, None] * D + d[None, :], dv, mask=cols[:, None] < TK)
 
 
-def flash_backward(qh, kh, vh, out, d_out, keep, scale: float, ds_spec, seed: int, tile: tuple[int, int] = (32, 32),
-                   debug: bool = False):
-    """dQ, dK, dV in FP32 ([B, H, T, D], GQA expanded) of hf_fp4.attention's backward, from the saved FP32 Q^, K^,
-    V^, the forward output and dO; ds_spec: dS's QuantSpec (None: high precision).  debug: also the unquantized
-    dS [B, H, TQ, TK] the kernels computed (tests)."""
+def flash_backward(qh, kh, vh, out, d_out, keep, scale: float, ds_spec, seed: int, decodes: torch.Tensor | None = None,
+                   tile: tuple[int, int] = (32, 32), debug: bool = False):
+    """dQ, dK, dV in FP32 ([B, H, T, D], GQA expanded) of hf_fp4.attention's backward, from the saved Q^, K^, V^
+    (FP32 values, or exact BF16 values with their tensor `decodes` [3] as flash_forward takes them), the forward
+    output and dO; ds_spec: dS's QuantSpec (None: high precision).  The tensor cores run every GEMM when the
+    operands are BF16 and so is dO (products exact, FP32 sums; tensor scales applied after); otherwise IEEE FP32
+    dots.  debug: also the unquantized dS [B, H, TQ, TK] the kernels computed (tests)."""
     from hf_fp4.formats import Grid
     from hf_fp4.scales import ScaleRule
     from hf_fp4.spec import Rounding
@@ -240,11 +250,19 @@ def flash_backward(qh, kh, vh, out, d_out, keep, scale: float, ds_spec, seed: in
     bsz, heads, tq, dim = qh.shape
     tk = kh.shape[2]
     dev = qh.device
-    qh, kh, vh, do = (t.float().contiguous() for t in (qh, kh, vh, d_out))
+    tc = decodes is not None and all(t.dtype == torch.bfloat16 for t in (qh, kh, vh, d_out))
+    if decodes is None:
+        decodes = torch.ones(3, dtype=torch.float32, device=dev)
+    elif not tc:  # the values themselves, in FP32
+        qh, kh, vh = (t.float() * dec for t, dec in zip((qh, kh, vh), decodes))
+        decodes = torch.ones(3, dtype=torch.float32, device=dev)
+    if not tc:
+        qh, kh, vh, d_out = (t.float() for t in (qh, kh, vh, d_out))
+    qh, kh, vh, do = (t.contiguous() for t in (qh, kh, vh, d_out))
     delta = (d_out.float() * out.float()).sum(-1).contiguous()  # D = rowsum(dO * O), as the reference
     lse = torch.empty(bsz, heads, tq, dtype=torch.float32, device=dev)
     stat = torch.zeros(1, dtype=torch.float32, device=dev)
-    dq, dk, dv = torch.empty_like(qh), torch.empty_like(kh), torch.empty_like(vh)
+    dq, dk, dv = (torch.empty(t.shape, dtype=torch.float32, device=dev) for t in (qh, kh, vh))
     dbg = torch.zeros(bsz, heads, tq, tk, dtype=torch.float32, device=dev) if debug else stat
     if keep is not None:
         keep_t = keep.to(torch.int8).expand(bsz, heads, tq, tk)
@@ -264,9 +282,10 @@ def flash_backward(qh, kh, vh, out, d_out, keep, scale: float, ds_spec, seed: in
         kp_q, kp_k = tk + (-tk % bc), tq + (-tq % bc)
     quant.pop("EMIN", None)
     quant.pop("MBITS", None)
-    args = (qh, kh, vh, do, delta, lse, stat, keep_t, dq, dk, dv, dbg, seed, heads, tq, tk, rows_q, rows_k, kp_q, kp_k,
+    args = (qh, kh, vh, decodes.float().contiguous(), do, delta, lse, stat, keep_t, dq, dk, dv, dbg, seed, heads, tq, tk, rows_q, rows_k, kp_q, kp_k,
             float(scale), *mask_strides)
-    consts = dict(BM=bm, BN=bn, D=dim, HAS_KEEP=keep is not None, DEBUG=debug, INTERPRETED=not qh.is_cuda, **quant)
+    consts = dict(BM=bm, BN=bn, D=dim, HAS_KEEP=keep is not None, DEBUG=debug, TC=tc, INTERPRETED=not qh.is_cuda,
+                  **quant)
     phases = [0, 1, 2, 3] if quant["QUANT"] and quant["SCALE"] == 2 else [0, 2, 3]
     for phase in phases:
         grid = (triton.cdiv(tk, bn) if phase == 3 else triton.cdiv(tq, bm), bsz * heads)

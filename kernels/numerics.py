@@ -231,6 +231,17 @@ def fake_quantize_tile(x, stat_ptr, seed, rows, col0, KP, BM: tl.constexpr, BK: 
     (whole blocks in the tile), E8M0 (SCALE 0 floor / 1 ceil) or UE4M3 + FP32 tensor scale (SCALE 2, the tensor
     amax at stat_ptr), nearest or stochastic rounding (SR: Philox noise of the padded [Mp, KP] matrix at global
     `rows` and columns col0 + ...)."""
+    values, s_dec = quantize_tile(x, stat_ptr, seed, rows, col0, KP, BM, BK, BR, BC, GRID, QMAX, QM, QE, EMAX, SCALE,
+                                  SR)
+    return values * s_dec
+
+
+@triton.jit
+def quantize_tile(x, stat_ptr, seed, rows, col0, KP, BM: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr,
+                  BC: tl.constexpr, GRID: tl.constexpr, QMAX: tl.constexpr, QM: tl.constexpr, QE: tl.constexpr,
+                  EMAX: tl.constexpr, SCALE: tl.constexpr, SR: tl.constexpr):
+    """fake_quantize_tile in two parts: (grid value x block scale -- at most 8 significant bits, exact in BF16
+    for the tensor cores --, the FP32 tensor decode scale or 1)."""
     x = flush_subnormals(x)
     amax = block_max(tl.abs(x), BM, BK, BR, BC)
     if SCALE == 2:
@@ -252,7 +263,7 @@ def fake_quantize_tile(x, stat_ptr, seed, rows, col0, KP, BM: tl.constexpr, BK: 
         u = m
     q = round_grid(m, u, GRID, SR)
     q = tl.where(scaled < 0, -q, q)
-    return (q * expand_blocks(block, BM, BK, BR, BC)) * s_dec
+    return q * expand_blocks(block, BM, BK, BR, BC), s_dec
 
 
 @triton.jit

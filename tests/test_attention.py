@@ -146,14 +146,16 @@ BWD_SPECS = {"mxfp4": QuantSpec.preset("mxfp4"), "nvfp4": QuantSpec.preset("nvfp
              "nvfp4_2d": QuantSpec.preset("nvfp4_2d"), "none": None}
 
 
+@pytest.mark.parametrize("tensor_cores", [False, True])
 @pytest.mark.parametrize("name", sorted(BWD_SPECS))
-def test_the_flash_backward_quantizes_its_ds_as_the_spec_and_makes_the_spec_gradients(name):
+def test_the_flash_backward_quantizes_its_ds_as_the_spec_and_makes_the_spec_gradients(name, tensor_cores):
     """hf_fp4.kernels.attention.flash_backward, against the spec in float64: its dS (dumped) is the reference's
     within FP32 arithmetic; dQ and dK equal the products of *that* dS quantized by the reference quantizer
     (along keys / along queries with seed + 1 / one 2D tile for both) and K^ / Q^ within FP32 accumulation --
     so every quantized dS element in registers is the spec's, bit for bit -- and dV = bf16(P)^T dO within the
-    BF16 rounding of P.  Causal + padding + a query that sees nothing, ragged T over several tiles."""
-    from hf_fp4.attention import _ds_operands
+    BF16 rounding of P.  Causal + padding + a query that sees nothing, ragged T over several tiles.  tensor_cores:
+    Q^, K^, V^ as exact BF16 values with NVFP4 tensor decodes and a BF16 dO, the kernels' tensor-core path."""
+    from hf_fp4.attention import _ds_operands, tensor_core_operand
     from hf_fp4.kernels.attention import flash_backward
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -161,6 +163,12 @@ def test_the_flash_backward_quantizes_its_ds_as_the_spec_and_makes_the_spec_grad
     g = torch.Generator().manual_seed(11)
     t = 72
     qh, kh, vh, do = (torch.randn(1, 2, t, D, generator=g) for _ in range(4))
+    decodes = None
+    if tensor_cores:
+        ops = [tensor_core_operand(x, QuantSpec.preset("nvfp4"), 0) for x in (qh, kh, vh)]
+        qh, kh, vh = (values.float() * dec for values, dec in ops)  # the spec's values
+        decodes = torch.stack([dec for _, dec in ops]).to(dev)
+        do = do.to(torch.bfloat16).float()
     keep = torch.ones(1, 1, t, t, dtype=torch.bool).tril()
     keep[..., :3] = False
     keep[..., 2, :] = False
@@ -169,12 +177,15 @@ def test_the_flash_backward_quantizes_its_ds_as_the_spec_and_makes_the_spec_grad
     p = torch.nan_to_num(torch.softmax(s64, -1), nan=0.0)
     out = (p.to(torch.bfloat16).double() @ vh.double()).float()
     ds = p * (do.double() @ vh.double().transpose(-1, -2) - (do.double() * out.double()).sum(-1, keepdim=True))
-    dq, dk, dv, dbg = (x.cpu().double() for x in flash_backward(*(x.to(dev) for x in (qh, kh, vh, out, do)),
-                                                                 keep.to(dev), scale, spec, 7, debug=True))
+    inputs = [qh, kh, vh, out, do]
+    if tensor_cores:
+        inputs = [ops[0][0], ops[1][0], ops[2][0], out, do.to(torch.bfloat16)]
+    dq, dk, dv, dbg = (x.cpu().double() for x in flash_backward(*(x.to(dev) for x in inputs), keep.to(dev), scale,
+                                                                 spec, 7, decodes, debug=True))
     assert (dbg - ds).abs().max() <= 1e-5 * ds.abs().max()
     assert torch.all(dq[0, :, 2] == 0) and torch.all(dbg[0, :, 2] == 0)  # the query that sees nothing
     ds_keys, ds_queries = (x.double() for x in _ds_operands(dbg.float(), spec, 7))
-    fp32 = t * 2.0**-24 + 2.0**-23  # FP32 accumulation over keys / queries, then the multiplication by scale
+    fp32 = t * 2.0**-24 + 2.0**-21  # FP32 accumulation over keys / queries, then the scale and decodes
 
     def within(got, a, b, extra=0.0):
         bound = (fp32 + extra) * (a.abs() @ b.abs()) + 1e-30
@@ -187,21 +198,23 @@ def test_the_flash_backward_quantizes_its_ds_as_the_spec_and_makes_the_spec_grad
         assert not within(dq, dbg * scale, kh.double())
 
 
-def test_the_triton_forward_serves_fp4_attention_and_its_reference_backward():
-    """fp4_attention(backend="triton"): the flash forward's output, and the reference backward's gradients from
-    it, match the reference path's (GQA, causal + padding mask)."""
-    q, k, v = qkv(5, torch.float32)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp4_attention_on_the_triton_backend_matches_the_reference(dtype):
+    """fp4_attention(backend="triton"): the flash kernels' output and gradients match the reference path's
+    (GQA, causal + padding mask; BF16 inputs take the tensor-core path, FP32 the IEEE one)."""
+    q, k, v = qkv(5, dtype)
     keep = torch.ones(B, 1, T, T, dtype=torch.bool).tril()
     keep[0, :, :, :3] = False
     outs, grads = [], []
     for backend in ("reference", "triton"):
         qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
         out = fp4_attention(qq, kk, vv, keep, recipe="mxfp4", backend=backend)
-        out.square().sum().backward()
+        out.float().square().sum().backward()
         outs.append(out.detach())
         grads.append((qq.grad, kk.grad, vv.grad))
     close(outs[1], outs[0].double(), rel=1e-2)
-    assert not torch.equal(outs[1], outs[0])  # really another computation
+    if dtype == torch.float32:
+        assert not torch.equal(outs[1], outs[0])  # really another computation
     close(grads[1][2], grads[0][2].double(), rel=2e-2)  # dV: no quantized dS in between
     for g, w in zip(grads[1][:2], grads[0][:2]):  # dQ, dK through FP4 dS: a nudged dS may flip a rounding
         assert torch.isfinite(g).all()
