@@ -30,7 +30,6 @@ from typing import Any
 
 import torch
 
-from .qtensor import expand_blocks
 from .quantize import fake_quantize, quantize
 from .scales import ScaleRule
 from .spec import QuantSpec, as_spec
@@ -119,11 +118,8 @@ def tensor_core_operand(x: torch.Tensor, spec: QuantSpec | None, seed: int
     rows, pad = x.shape[-2], -x.shape[-2] % spec.block[0]
     y = torch.nn.functional.pad(x.float(), (0, 0, 0, pad)) if pad else x.float()
     seeded = {"seed": seed} if spec.rounding.value == "stochastic" else {}
-    qt = quantize(y.reshape(-1, y.shape[-1]), spec, **seeded)
-    values = qt.code_values() * expand_blocks(qt.block_decode(), spec.block)
-    values = values[: y.numel() // y.shape[-1], : y.shape[-1]].reshape(y.shape)[..., :rows, :]
-    decode = qt.tensor_scale.reshape(()).float() if qt.tensor_scale is not None else one
-    return values.to(torch.bfloat16), decode
+    values, decode = quantize(y.reshape(-1, y.shape[-1]), spec, **seeded).tensor_core_parts()
+    return values.reshape(y.shape)[..., :rows, :], decode
 
 
 def _ds_operands(ds: torch.Tensor, spec: QuantSpec | None, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -31,6 +31,7 @@ from .operands import BACKENDS, LinearPlan, Operand, gemm, operand_values, opera
 from .philox import STEP_MIX, philox_signs, step_seed
 from .quantize import quantize
 from .recipe import GEMMS, HadamardKind, LinearRecipe
+from .scales import ScaleRule
 from .sharq import sharq_operands
 
 # Observers see every quantized operand: fn(module, gemm, role, operand, quantized, spec).
@@ -290,12 +291,27 @@ class FP4Linear(nn.Linear):
         if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.parameters())):
             raise RuntimeError(f"{self.layer_name or 'FP4Linear'}: activation_scheme=sharq is an inference scheme "
                                "(it has no backward): run under torch.no_grad() or torch.inference_mode()")
-        w = self.fprop_weight_operand()
-        q_sp, q_res = sharq_operands(x, self.recipe.fprop.lhs, self.resolved_backend(x))
-        k = x.shape[-1]
-        both = torch.cat([q_sp.reshape(-1, k), q_res.reshape(-1, k)]).to(w.device) @ w.t()  # one pass over W
-        y_sp, y_res = both.chunk(2)
-        y = (y_sp + y_res).reshape(*x.shape[:-1], -1)
+        spec, k = self.recipe.fprop.lhs, x.shape[-1]
+        if self.frozen_weight:  # a packed export: the parts were kept when it was unpacked
+            w_parts = (self.frozen_w_values, self.frozen_w_decode) if hasattr(self, "frozen_w_values") else None
+        else:
+            q_w = self.quantized_fprop_weight()
+            w_parts = q_w.tensor_core_parts() if q_w is not None else None
+        if w_parts is not None and spec.scale is not ScaleRule.FP32:
+            # exact BF16 operands (grid value x block scale) on the tensor cores, FP32 sums, tensor decodes after
+            (sp, d_sp), (res, d_res) = sharq_operands(x, spec, self.resolved_backend(x), parts=True)
+            w, d_w = w_parts
+            a = torch.cat([sp.reshape(-1, k), res.reshape(-1, k)]).to(w.device)  # both products: one pass over W
+            both = torch.mm(a, w.t(), out_dtype=torch.float32) if a.is_cuda else a.float() @ w.float().t()
+            y_sp, y_res = both.chunk(2)
+            y = y_sp * (d_sp * d_w) + y_res * (d_res * d_w)
+        else:  # FP32 block scales or a frozen (packed) weight: the FP32 operands
+            w = self.fprop_weight_operand()
+            q_sp, q_res = sharq_operands(x, spec, self.resolved_backend(x))
+            both = torch.cat([q_sp.reshape(-1, k), q_res.reshape(-1, k)]).to(w.device) @ w.t()
+            y_sp, y_res = both.chunk(2)
+            y = y_sp + y_res
+        y = y.reshape(*x.shape[:-1], -1)
         if self.bias is not None:
             y = y + self.bias.float()
         return y.to(_out_dtype(x))

@@ -54,9 +54,24 @@ class QuantizedTensor:
         values = self.code_values() * expand_blocks(self.block_decode(), self.spec.block)
         if self.tensor_scale is not None:
             values = values * self.tensor_scale
+        return self._crop(values).to(dtype)
+
+    def tensor_core_parts(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(grid value x block scale in BF16, FP32 tensor decode) with values.float() * decode == dequantize()
+        bit for bit: a grid value has at most 4 and a power-of-two or UE4M3 block scale at most 4 significant
+        bits, so BF16 holds every product -- the operands of an exact BF16 tensor-core GEMM.  None for FP32
+        block scales (not BF16-exact)."""
+        if self.spec.scale is ScaleRule.FP32:
+            return None
+        values = self._crop(self.code_values() * expand_blocks(self.block_decode(), self.spec.block))
+        decode = self.tensor_scale.reshape(()).float() if self.tensor_scale is not None else \
+            torch.ones((), dtype=torch.float32, device=values.device)
+        return values.to(torch.bfloat16), decode
+
+    def _crop(self, values: torch.Tensor) -> torch.Tensor:
         rows = math.prod(self.shape[:-1]) if len(self.shape) > 1 else 1
         cols = self.shape[-1] if len(self.shape) else 1
-        return values[:rows, :cols].reshape(self.shape).to(dtype)
+        return values[:rows, :cols].reshape(self.shape)
 
 
 def pack_codes(codes: torch.Tensor, grid: Grid) -> torch.Tensor:

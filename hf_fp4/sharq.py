@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from .quantize import fake_quantize
+from .quantize import fake_quantize, quantize
+from .scales import ScaleRule
 from .spec import QuantSpec
 
 SCHEMES = ("plain", "sharq")
@@ -34,15 +35,22 @@ def pair_mask(x: torch.Tensor) -> torch.Tensor:
     return keep.repeat_interleave(2, dim=-1).reshape(*mag.shape)[..., :k]
 
 
-def sharq_operands(x: torch.Tensor, spec: QuantSpec, backend: str = "reference") -> tuple[torch.Tensor, torch.Tensor]:
-    """(Q(x_sp), Q(x - Q(x_sp))) in FP32, each [..., K]; backend "triton" runs the fused kernel."""
+def sharq_operands(x: torch.Tensor, spec: QuantSpec, backend: str = "reference", parts: bool = False):
+    """(Q(x_sp), Q(x - Q(x_sp))) in FP32, each [..., K]; backend "triton" runs the fused kernel.  parts: each
+    as (BF16 grid value x block scale, FP32 tensor decode) -- QuantizedTensor.tensor_core_parts, whose product
+    is the FP32 operand bit for bit -- for exact BF16 tensor-core GEMMs (not for FP32 block scales)."""
     if backend == "triton":
         from .kernels.sharq import triton_sharq_operands
-        return triton_sharq_operands(x, spec)
+        return triton_sharq_operands(x, spec, parts=parts)
     if backend != "reference":
         raise ValueError(f"unknown backend {backend!r}; valid: reference, triton")
     flat = x.reshape(-1, x.shape[-1]).float()
     sparse = torch.where(pair_mask(flat), flat, torch.zeros_like(flat))
-    q_sp = fake_quantize(sparse, spec)
-    q_res = fake_quantize(flat - q_sp, spec)
-    return q_sp.reshape(x.shape), q_res.reshape(x.shape)
+    q_sp = quantize(sparse, spec)
+    res = flat - q_sp.dequantize()
+    if parts:
+        if spec.scale is ScaleRule.FP32:
+            raise ValueError("SharQ operand parts need E8M0 or UE4M3 block scales (FP32 ones are not BF16-exact)")
+        (sp, d_sp), (rs, d_rs) = q_sp.tensor_core_parts(), quantize(res, spec).tensor_core_parts()
+        return (sp.reshape(x.shape), d_sp), (rs.reshape(x.shape), d_rs)
+    return q_sp.dequantize().reshape(x.shape), fake_quantize(res, spec).reshape(x.shape)

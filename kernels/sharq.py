@@ -20,10 +20,10 @@ import triton
 import triton.language as tl
 
 from hf_fp4.qtensor import NonFiniteError
-from hf_fp4.scales import ScaleRule
+from hf_fp4.scales import ScaleRule, nvfp4_tensor_encode_scale
 from hf_fp4.spec import QuantSpec, Rounding
 
-from .numerics import fake_quantize_tile, flush_subnormals, grid_constants
+from .numerics import flush_subnormals, grid_constants, quantize_tile
 from .quant import SCALE_CODES
 
 
@@ -46,7 +46,7 @@ def _pair_mask(a, BM: tl.constexpr, BK: tl.constexpr):
 def _sharq_kernel(x_ptr, sp_ptr, res_ptr, stat_ptr, bad_ptr, M, K, stride_m, stride_k,
                   BM: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr, GRID: tl.constexpr, EMIN: tl.constexpr,
                   MBITS: tl.constexpr, QMAX: tl.constexpr, QM: tl.constexpr, QE: tl.constexpr,
-                  EMAX: tl.constexpr, SCALE: tl.constexpr, PHASE: tl.constexpr):
+                  EMAX: tl.constexpr, SCALE: tl.constexpr, PHASE: tl.constexpr, PARTS: tl.constexpr):
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     cols = tl.program_id(1) * BK + tl.arange(0, BK)
     inside = (rows[:, None] < M) & (cols[None, :] < K)
@@ -58,21 +58,28 @@ def _sharq_kernel(x_ptr, sp_ptr, res_ptr, stat_ptr, bad_ptr, M, K, stride_m, str
         tl.atomic_max(bad_ptr, tl.max(tl.max(bad.to(tl.int32), axis=1), axis=0))
         tl.atomic_max(stat_ptr, tl.max(tl.max(tl.abs(flush_subnormals(sparse)), axis=1), axis=0))
         return
-    q_sp = fake_quantize_tile(sparse, stat_ptr, 0, rows, 0, 0, BM, BK, 1, BC, GRID, QMAX, QM, QE, EMAX, SCALE, False)
+    sp_vals, sp_dec = quantize_tile(sparse, stat_ptr, 0, rows, 0, 0, BM, BK, 1, BC, GRID, QMAX, QM, QE, EMAX, SCALE,
+                                    False)
+    q_sp = sp_vals * sp_dec
     res = x - q_sp
     if PHASE == 1:
         tl.atomic_max(stat_ptr + 1, tl.max(tl.max(tl.abs(flush_subnormals(res)), axis=1), axis=0))
         return
-    q_res = fake_quantize_tile(res, stat_ptr + 1, 0, rows, 0, 0, BM, BK, 1, BC, GRID, QMAX, QM, QE, EMAX, SCALE,
-                               False)
+    res_vals, res_dec = quantize_tile(res, stat_ptr + 1, 0, rows, 0, 0, BM, BK, 1, BC, GRID, QMAX, QM, QE, EMAX,
+                                      SCALE, False)
     out = rows[:, None].to(tl.int64) * K + cols[None, :]
-    tl.store(sp_ptr + out, q_sp, mask=inside)
-    tl.store(res_ptr + out, q_res, mask=inside)
+    if PARTS:  # grid value x block scale: exact in BF16 (the tensor decodes are applied after the GEMM)
+        tl.store(sp_ptr + out, sp_vals.to(tl.bfloat16), mask=inside)
+        tl.store(res_ptr + out, res_vals.to(tl.bfloat16), mask=inside)
+    else:
+        tl.store(sp_ptr + out, q_sp, mask=inside)
+        tl.store(res_ptr + out, res_vals * res_dec, mask=inside)
 
 
-def triton_sharq_operands(x: torch.Tensor, spec: QuantSpec, tile: tuple[int, int, int] = (32, 64, 4)
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(Q(x_sp), Q(x - Q(x_sp))) in FP32, each x's shape: `hf_fp4.sharq.sharq_operands`, fused."""
+def triton_sharq_operands(x: torch.Tensor, spec: QuantSpec, tile: tuple[int, int, int] = (32, 64, 4),
+                          parts: bool = False):
+    """(Q(x_sp), Q(x - Q(x_sp))) in FP32, each x's shape: `hf_fp4.sharq.sharq_operands`, fused; parts: each as
+    (BF16 grid value x block scale, FP32 tensor decode)."""
     if spec.block[0] != 1 or spec.rounding is not Rounding.NEAREST or spec.scale is ScaleRule.FP32:
         raise ValueError(f"the fused SharQ kernel takes 1D blocks, nearest rounding and E8M0 or UE4M3 scales; "
                          f"got {spec}")
@@ -83,14 +90,20 @@ def triton_sharq_operands(x: torch.Tensor, spec: QuantSpec, tile: tuple[int, int
     dev = x.device
     stat = torch.zeros(2, dtype=torch.float32, device=dev)
     bad = torch.zeros(1, dtype=torch.int32, device=dev)
-    q_sp = torch.empty((m, k), dtype=torch.float32, device=dev)
-    q_res = torch.empty((m, k), dtype=torch.float32, device=dev)
+    q_sp, q_res = (torch.empty((m, k), dtype=torch.bfloat16 if parts else torch.float32, device=dev) for _ in "ab")
     grid = (triton.cdiv(m, bm), triton.cdiv(k, bk))
     consts = dict(BM=bm, BK=bk, BC=spec.block[1], **grid_constants(spec.grid), SCALE=SCALE_CODES[spec.scale],
                   num_warps=warps)
     phases = (0, 1, 2) if spec.scale is ScaleRule.UE4M3_FP32 else (0, 2)
     for phase in phases:
-        _sharq_kernel[grid](x2, q_sp, q_res, stat, bad, m, k, x2.stride(0), x2.stride(1), PHASE=phase, **consts)
+        _sharq_kernel[grid](x2, q_sp, q_res, stat, bad, m, k, x2.stride(0), x2.stride(1), PHASE=phase, PARTS=parts,
+                            **consts)
         if phase == 0 and bool(bad.item()):
             raise NonFiniteError("SharQ: the activation has NaN/Inf value(s)")
-    return q_sp.reshape(x.shape), q_res.reshape(x.shape)
+    if not parts:
+        return q_sp.reshape(x.shape), q_res.reshape(x.shape)
+    if spec.scale is ScaleRule.UE4M3_FP32:  # the kernels' decode, 1 / s_enc of each tensor amax
+        decodes = torch.reciprocal(nvfp4_tensor_encode_scale(stat, spec.grid))
+    else:
+        decodes = torch.ones(2, dtype=torch.float32, device=dev)
+    return (q_sp.reshape(x.shape), decodes[0]), (q_res.reshape(x.shape), decodes[1])

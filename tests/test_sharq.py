@@ -74,6 +74,13 @@ def test_the_fused_kernel_makes_both_operands_bit_for_bit(name):
         want = sharq_operands(t.cpu(), spec)
         for g, w in zip(got, want):
             assert torch.equal(g.cpu(), w), name
+        # the tensor cores' parts: BF16 grid value x block scale and a tensor decode, kernel = reference, and
+        # their product is the FP32 operand bit for bit
+        parts = triton_sharq_operands(t, spec, parts=True)
+        for (values, decode), (ref_values, ref_decode), w in zip(parts, sharq_operands(t.cpu(), spec, parts=True),
+                                                                 want):
+            assert values.dtype == torch.bfloat16 and torch.equal(values.cpu(), ref_values)
+            assert torch.equal(decode.cpu(), ref_decode) and torch.equal(values.cpu().float() * ref_decode, w)
     bad = x.clone()
     bad[5, 7] = float("nan")
     with pytest.raises(hf_fp4.NonFiniteError):
