@@ -294,8 +294,9 @@ class FP4Linear(nn.Linear):
         spec, k = self.recipe.fprop.lhs, x.shape[-1]
         if self.frozen_weight:  # a packed export: the parts were kept when it was unpacked
             w_parts = (self.frozen_w_values, self.frozen_w_decode) if hasattr(self, "frozen_w_values") else None
-        else:
-            q_w = self.quantized_fprop_weight()
+        else:  # SharQ refuses an fprop Hadamard: the weight operand is Q(W), by the fused kernel on the fast path
+            rhs = self.recipe.fprop.rhs
+            q_w = quantize(self.weight.detach(), rhs, backend=self.resolved_backend(x)) if rhs is not None else None
             w_parts = q_w.tensor_core_parts() if q_w is not None else None
         if w_parts is not None and spec.scale is not ScaleRule.FP32:
             # exact BF16 operands (grid value x block scale) on the tensor cores, FP32 sums, tensor decodes after

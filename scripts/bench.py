@@ -448,11 +448,40 @@ def bench_moe(dev, quick, results, presets):
                     "tokens (ms; speed vs the first row)", ["impl", "ms", "vs first"], rows)
 
 
+def bench_sharq(dev, quick, results):
+    """SharQ's cost against plain NVFP4 (issue 13): W4A4 inference forward of one linear layer (no grad), bf16
+    nn.Linear beside.  Activation bytes per element: plain NVFP4 reads x twice (tensor amax, operand) and writes
+    a BF16 operand; SharQ reads it three times (two tensor amaxes, operands) and writes two BF16 operands, and
+    its GEMM has twice the rows over the same weight."""
+    tokens, shapes = (64, [(128, 128)]) if quick else (8192, [(4096, 4096), (4096, 14336), (14336, 4096)])
+    x_bytes = 2  # bf16 activations
+    traffic = {"bf16": 0, "hf_fp4:nvfp4": 2 * x_bytes + 2, "hf_fp4:nvfp4+sharq": 3 * x_bytes + 2 * 2}
+    rows = []
+    for k, n in shapes:
+        x = torch.randn(tokens, k, device=dev, dtype=torch.bfloat16 if dev == "cuda" else torch.float32)
+        lin = nn.Linear(k, n, bias=False, device=dev, dtype=x.dtype)
+        layers = {"bf16": lin}
+        for name, options in (("hf_fp4:nvfp4", {}), ("hf_fp4:nvfp4+sharq", {"activation_scheme": "sharq"})):
+            layers[name] = FP4Linear.from_linear(lin, preset("nvfp4", gemms=("fprop",), **options).linear, name="b")
+        row, base = [f"{k}x{n}"], None
+        for name, layer in layers.items():
+            with torch.no_grad():
+                ms = timed(lambda layer=layer: layer(x), [()], warmup=2, reps=10)
+            base = base or ms
+            results.setdefault("sharq", []).append({"shape": f"{k}x{n}", "tokens": tokens, "impl": name,
+                                                    "ms": round(ms, 4), "activation_bytes_per_element": traffic[name]})
+            row.append(f"{ms:.3f} ({base / ms:.2f}x)")
+        rows.append(row)
+    return md_table(f"Inference forward, {tokens} tokens, W4A4 (ms; speed vs bf16). Activation operand traffic per "
+                    "element: nvfp4 6 B, nvfp4+SharQ 10 B (kernel design, see bench_sharq)",
+                    ["K x N"] + list(traffic), rows)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parts", default="quant,linear,e2e",
                         help="comma list of quant, linear, linear_spread (inputs with a trained model's spread of "
-                             "magnitudes), e2e, e2e50m, attention, moe")
+                             "magnitudes), e2e, e2e50m, attention, moe, sharq")
     parser.add_argument("--quick", action="store_true", help="tiny sizes (a CPU smoke test of the script)")
     parser.add_argument("--out", default="benchmarks", help="folder for results-<date>.{json,md}")
     parser.add_argument("--impls", default=None, help="comma list restricting the linear / e2e impls")
@@ -521,6 +550,9 @@ def main():
                               lambda: write(results, stem, render(results))))
     if "attention" in parts:
         text.append(bench_attention(dev, args.quick, results))
+        write(results, stem, "\n".join(text))
+    if "sharq" in parts:
+        text.append(bench_sharq(dev, args.quick, results))
         write(results, stem, "\n".join(text))
     if "moe" in parts:
         presets = [p for p in FP4_PRESETS if args.impls is None or f"hf_fp4:{p}" in args.impls.split(",")]
