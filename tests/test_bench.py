@@ -1,0 +1,26 @@
+"""scripts/bench.py runs end to end at --quick sizes on the CPU (a crash there would cost GPU time): every part
+asked for writes a row per implementation into the results JSON, with the command.  No timing is checked."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_bench_quick_parts_write_every_row(tmp_path):
+    cmd = [sys.executable, str(ROOT / "scripts" / "bench.py"), "--quick", "--parts", "linear,attention,moe,sharq",
+           "--impls", "bf16,hf_fp4:nvfp4,emulation_compiled", "--out", str(tmp_path)]
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
+    subprocess.run(cmd, check=True, cwd=ROOT, env=env, capture_output=True, timeout=600)
+    results = json.loads(next(tmp_path.glob("results-*.json")).read_text())
+    assert results["command"].startswith("python ") and "--quick" in results["command"]
+    assert {r["impl"] for r in results["linear"]} == {"bf16", "hf_fp4:nvfp4", "emulation_compiled"}
+    attention = {"sdpa", "hf_fp4:nvfp4:reference"} | ({"hf_fp4:nvfp4:triton"} if torch.cuda.is_available() else set())
+    assert {r["impl"] for r in results["attention"]} == attention  # (no Triton on a CPU without its interpreter)
+    assert {r["impl"] for r in results["moe"]} == {"bf16:grouped_mm", "bf16:eager", "hf_fp4:nvfp4"}
+    assert {r["impl"] for r in results["sharq"]} == {"bf16", "hf_fp4:nvfp4", "hf_fp4:nvfp4+sharq"}
+    assert all(r["ms"] > 0 for part in ("linear", "attention", "moe", "sharq") for r in results[part])
+    assert next(tmp_path.glob("results-*.md")).read_text().count("|---") >= 4
