@@ -591,3 +591,18 @@ def test_python_m_hf_fp4_names_its_commands():
     assert done.returncode == 2 and "pretrain|study" in done.stderr and "pretrian" in done.stderr
     done = subprocess.run([sys.executable, "-m", "hf_fp4", "study", "--help"], capture_output=True, text=True)
     assert done.returncode == 0 and "--parallel" in done.stdout
+
+
+def test_a_moe_model_trains_and_resumes_exactly(corpus_files, tmp_path):
+    """A tiny Qwen3-MoE through the trainer with nvfp4 (stochastic rounding in the experts' dgrad and wgrad):
+    the experts train in FP4 and a run stopped at step 3 and resumed logs the uninterrupted run's losses -- the
+    experts' SR counters are part of the checkpoint."""
+    moe = {"model_type": "qwen3_moe", "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
+           "num_experts": 4, "num_experts_per_tok": 2, "decoder_sparse_step": 1, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 64}
+    kw = dict(model=moe, max_steps=6, eval_every=100, checkpoint_every=3, schedule="constant")
+    trainer.train(TrainConfig.from_dict(tiny_cfg(corpus_files, tmp_path / "whole", **kw)))
+    trainer.train(TrainConfig.from_dict(tiny_cfg(corpus_files, tmp_path / "split", **{**kw, "max_steps": 3})))
+    trainer.train(TrainConfig.from_dict(tiny_cfg(corpus_files, tmp_path / "split", **kw)), resume=True)
+    whole = [r["loss"] for r in records(tmp_path / "whole") if "loss" in r]
+    assert len(whole) == 6 and whole == [r["loss"] for r in records(tmp_path / "split") if "loss" in r]
