@@ -139,98 +139,135 @@ def _probs_and_ds(s, lse, do, v, delta, dec_v, TC: tl.constexpr, INTERPRETED: tl
 
 
 @triton.jit
-def _flash_backward_kernel(q_ptr, k_ptr, v_ptr, dec_ptr, do_ptr, delta_ptr, lse_ptr, stat_ptr, keep_ptr,
-                           dq_ptr, dk_ptr, dv_ptr, dbg_ptr, seed, H, TQ, TK, TQ_ROWS, TK_ROWS, KP_Q, KP_K, scale,
-                           sm_b, sm_h, sm_q, sm_k,
-                           BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, HAS_KEEP: tl.constexpr,
-                           PHASE: tl.constexpr, QUANT: tl.constexpr, SQUARE: tl.constexpr, BR: tl.constexpr,
-                           BC: tl.constexpr, GRID: tl.constexpr, QMAX: tl.constexpr, QM: tl.constexpr,
-                           QE: tl.constexpr, EMAX: tl.constexpr, SCALE: tl.constexpr, SR: tl.constexpr,
-                           DEBUG: tl.constexpr, TC: tl.constexpr, INTERPRETED: tl.constexpr):
-    pid, pid_bh = tl.program_id(0), tl.program_id(1)
+def _decodes(dec_ptr, stat_ptr, scale, QUANT: tl.constexpr, SCALE: tl.constexpr, QMAX: tl.constexpr):
+    """(dec_k, dec_v, S's scale, dS's tensor decode): Q^ = q dec_q, K^ = k dec_k, V^ = v dec_v."""
     dec_q, dec_k, dec_v = tl.load(dec_ptr), tl.load(dec_ptr + 1), tl.load(dec_ptr + 2)
-    s_scale = dec_q * dec_k * scale  # Q^ = q dec_q, K^ = k dec_k, V^ = v dec_v
     ds_dec = 1.0
     if QUANT and SCALE == 2:
-        ds_dec = tl.math.div_rn(1.0, tensor_encode_scale(tl.load(stat_ptr), QMAX))  # dS's tensor decode
+        ds_dec = tl.math.div_rn(1.0, tensor_encode_scale(tl.load(stat_ptr), QMAX))
+    return dec_q, dec_k, dec_v, dec_q * dec_k * scale, ds_dec
+
+
+@triton.jit
+def _lse_kernel(q_ptr, k_ptr, v_ptr, dec_ptr, do_ptr, delta_ptr, lse_ptr, stat_ptr, keep_ptr,
+                dq_ptr, dk_ptr, dv_ptr, dbg_ptr, seed, H, TQ, TK, TQ_ROWS, TK_ROWS, KP_Q, KP_K, scale,
+                sm_b, sm_h, sm_q, sm_k,
+                BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, HAS_KEEP: tl.constexpr,
+                PHASE: tl.constexpr, QUANT: tl.constexpr, SQUARE: tl.constexpr, BR: tl.constexpr,
+                BC: tl.constexpr, GRID: tl.constexpr, QMAX: tl.constexpr, QM: tl.constexpr,
+                QE: tl.constexpr, EMAX: tl.constexpr, SCALE: tl.constexpr, SR: tl.constexpr,
+                DEBUG: tl.constexpr, TC: tl.constexpr, INTERPRETED: tl.constexpr):
+    """Phase 0: the log-sum-exp of each query row of a block (+inf for a row that sees nothing)."""
+    pid, pid_bh = tl.program_id(0), tl.program_id(1)
+    _, _, _, s_scale, _ = _decodes(dec_ptr, stat_ptr, scale, False, SCALE, QMAX)
+    b, h = pid_bh // H, pid_bh % H
+    d = tl.arange(0, D)
+    qb, kb, mb = pid_bh * TQ * D, pid_bh * TK * D, b * sm_b + h * sm_h
+    rows = pid * BM + tl.arange(0, BM)
+    q = tl.load(q_ptr + qb + rows[:, None] * D + d[None, :], mask=rows[:, None] < TQ, other=0.0)
+    m_i = tl.full([BM], float("-inf"), tl.float32)
+    l_i = tl.zeros([BM], tl.float32)
+    for start in range(0, TK, BN):
+        cols = start + tl.arange(0, BN)
+        s, _ = _scores(q, k_ptr, kb, cols, d, D, TK, keep_ptr, mb, rows, sm_q, sm_k, TQ, s_scale, HAS_KEEP,
+                       TC, INTERPRETED)
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        live = m_new > float("-inf")
+        l_i = l_i * tl.where(live, tl.exp(m_i - tl.where(live, m_new, 0.0)), 1.0) + tl.sum(
+            tl.where(s > float("-inf"), tl.exp(s - tl.where(live, m_new, 0.0)[:, None]), 0.0), axis=1)
+        m_i = m_new
+    lse = tl.where(l_i > 0, m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)), float("inf"))
+    tl.store(lse_ptr + pid_bh * TQ + rows, lse, mask=rows < TQ)
+
+
+@triton.jit
+def _dq_kernel(q_ptr, k_ptr, v_ptr, dec_ptr, do_ptr, delta_ptr, lse_ptr, stat_ptr, keep_ptr,
+               dq_ptr, dk_ptr, dv_ptr, dbg_ptr, seed, H, TQ, TK, TQ_ROWS, TK_ROWS, KP_Q, KP_K, scale,
+               sm_b, sm_h, sm_q, sm_k,
+               BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, HAS_KEEP: tl.constexpr,
+               PHASE: tl.constexpr, QUANT: tl.constexpr, SQUARE: tl.constexpr, BR: tl.constexpr,
+               BC: tl.constexpr, GRID: tl.constexpr, QMAX: tl.constexpr, QM: tl.constexpr,
+               QE: tl.constexpr, EMAX: tl.constexpr, SCALE: tl.constexpr, SR: tl.constexpr,
+               DEBUG: tl.constexpr, TC: tl.constexpr, INTERPRETED: tl.constexpr):
+    """Phase 1 (dS's tensor amax, atomic) or 2 (dQ = Q_keys(dS) K^ scale) for a block of query rows."""
+    pid, pid_bh = tl.program_id(0), tl.program_id(1)
+    _, dec_k, dec_v, s_scale, ds_dec = _decodes(dec_ptr, stat_ptr, scale, QUANT and PHASE == 2, SCALE, QMAX)
     b, h = pid_bh // H, pid_bh % H
     d = tl.arange(0, D)
     qb, kb, mb = pid_bh * TQ * D, pid_bh * TK * D, b * sm_b + h * sm_h  # Q^, dO, dQ [B H TQ D]; K^, V^ [B H TK D]
-    if PHASE < 3:  # a block of query rows against every key block
-        rows = pid * BM + tl.arange(0, BM)
+    rows = pid * BM + tl.arange(0, BM)
+    q = tl.load(q_ptr + qb + rows[:, None] * D + d[None, :], mask=rows[:, None] < TQ, other=0.0)
+    do = tl.load(do_ptr + qb + rows[:, None] * D + d[None, :], mask=rows[:, None] < TQ, other=0.0)
+    lse = tl.load(lse_ptr + pid_bh * TQ + rows, mask=rows < TQ, other=float("inf"))
+    delta = tl.load(delta_ptr + pid_bh * TQ + rows, mask=rows < TQ, other=0.0)
+    dq = tl.zeros([BM, D], tl.float32)
+    amax = tl.zeros([BM], tl.float32)
+    for start in range(0, TK, BN):
+        cols = start + tl.arange(0, BN)
+        s, k = _scores(q, k_ptr, kb, cols, d, D, TK, keep_ptr, mb, rows, sm_q, sm_k, TQ, s_scale, HAS_KEEP,
+                       TC, INTERPRETED)
+        v = tl.load(v_ptr + kb + cols[:, None] * D + d[None, :], mask=cols[:, None] < TK, other=0.0)
+        p, ds = _probs_and_ds(s, lse, do, v, delta, dec_v, TC, INTERPRETED)
+        if PHASE == 1:
+            amax = tl.maximum(amax, tl.max(tl.abs(ds), axis=1))
+        else:
+            if DEBUG:
+                tl.store(dbg_ptr + pid_bh * TQ * TK + rows[:, None] * TK + cols[None, :], ds,
+                         mask=(rows[:, None] < TQ) & (cols[None, :] < TK))
+            if QUANT:  # along keys: rows of the flattened [B H TQ_ROWS, KP_Q] matrix
+                vals, _ = quantize_tile(ds, stat_ptr, seed, pid_bh * TQ_ROWS + rows, start, KP_Q, BM, BN, BR, BC,
+                                        GRID, QMAX, QM, QE, EMAX, SCALE, SR)
+                dq += _dot(vals, k, TC, INTERPRETED)
+            else:
+                dq += _dot(ds, k, False, INTERPRETED)
+    if PHASE == 1:
+        tl.atomic_max(stat_ptr, tl.max(amax, axis=0))
+    else:
+        tl.store(dq_ptr + qb + rows[:, None] * D + d[None, :], dq * (ds_dec * dec_k * scale), mask=rows[:, None] < TQ)
+
+
+@triton.jit
+def _dkdv_kernel(q_ptr, k_ptr, v_ptr, dec_ptr, do_ptr, delta_ptr, lse_ptr, stat_ptr, keep_ptr,
+                 dq_ptr, dk_ptr, dv_ptr, dbg_ptr, seed, H, TQ, TK, TQ_ROWS, TK_ROWS, KP_Q, KP_K, scale,
+                 sm_b, sm_h, sm_q, sm_k,
+                 BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, HAS_KEEP: tl.constexpr,
+                 PHASE: tl.constexpr, QUANT: tl.constexpr, SQUARE: tl.constexpr, BR: tl.constexpr,
+                 BC: tl.constexpr, GRID: tl.constexpr, QMAX: tl.constexpr, QM: tl.constexpr,
+                 QE: tl.constexpr, EMAX: tl.constexpr, SCALE: tl.constexpr, SR: tl.constexpr,
+                 DEBUG: tl.constexpr, TC: tl.constexpr, INTERPRETED: tl.constexpr):
+    """Phase 3: dK = Q_queries(dS)^T Q^ scale and dV = bf16(P)^T dO for a block of keys."""
+    pid, pid_bh = tl.program_id(0), tl.program_id(1)
+    dec_q, _, dec_v, s_scale, ds_dec = _decodes(dec_ptr, stat_ptr, scale, QUANT, SCALE, QMAX)
+    b, h = pid_bh // H, pid_bh % H
+    d = tl.arange(0, D)
+    qb, kb, mb = pid_bh * TQ * D, pid_bh * TK * D, b * sm_b + h * sm_h
+    cols = pid * BN + tl.arange(0, BN)
+    v = tl.load(v_ptr + kb + cols[:, None] * D + d[None, :], mask=cols[:, None] < TK, other=0.0)
+    dk = tl.zeros([BN, D], tl.float32)
+    dv = tl.zeros([BN, D], tl.float32)
+    for start in range(0, TQ, BM):
+        rows = start + tl.arange(0, BM)
         q = tl.load(q_ptr + qb + rows[:, None] * D + d[None, :], mask=rows[:, None] < TQ, other=0.0)
-        if PHASE == 0:
-            m_i = tl.full([BM], float("-inf"), tl.float32)
-            l_i = tl.zeros([BM], tl.float32)
-            for start in range(0, TK, BN):
-                cols = start + tl.arange(0, BN)
-                s, k = _scores(q, k_ptr, kb, cols, d, D, TK, keep_ptr, mb, rows, sm_q, sm_k, TQ, s_scale, HAS_KEEP,
-                               TC, INTERPRETED)
-                m_new = tl.maximum(m_i, tl.max(s, axis=1))
-                live = m_new > float("-inf")
-                l_i = l_i * tl.where(live, tl.exp(m_i - tl.where(live, m_new, 0.0)), 1.0) + tl.sum(
-                    tl.where(s > float("-inf"), tl.exp(s - tl.where(live, m_new, 0.0)[:, None]), 0.0), axis=1)
-                m_i = m_new
-            lse = tl.where(l_i > 0, m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)), float("inf"))
-            tl.store(lse_ptr + pid_bh * TQ + rows, lse, mask=rows < TQ)
-            return
         do = tl.load(do_ptr + qb + rows[:, None] * D + d[None, :], mask=rows[:, None] < TQ, other=0.0)
         lse = tl.load(lse_ptr + pid_bh * TQ + rows, mask=rows < TQ, other=float("inf"))
         delta = tl.load(delta_ptr + pid_bh * TQ + rows, mask=rows < TQ, other=0.0)
-        dq = tl.zeros([BM, D], tl.float32)
-        amax = tl.zeros([BM], tl.float32)
-        for start in range(0, TK, BN):
-            cols = start + tl.arange(0, BN)
-            s, k = _scores(q, k_ptr, kb, cols, d, D, TK, keep_ptr, mb, rows, sm_q, sm_k, TQ, s_scale, HAS_KEEP,
-                           TC, INTERPRETED)
-            v = tl.load(v_ptr + kb + cols[:, None] * D + d[None, :], mask=cols[:, None] < TK, other=0.0)
-            p, ds = _probs_and_ds(s, lse, do, v, delta, dec_v, TC, INTERPRETED)
-            if PHASE == 1:
-                amax = tl.maximum(amax, tl.max(tl.abs(ds), axis=1))
-            else:
-                if DEBUG:
-                    tl.store(dbg_ptr + pid_bh * TQ * TK + rows[:, None] * TK + cols[None, :], ds,
-                             mask=(rows[:, None] < TQ) & (cols[None, :] < TK))
-                if QUANT:  # along keys: rows of the flattened [B H TQ_ROWS, KP_Q] matrix
-                    vals, _ = quantize_tile(ds, stat_ptr, seed, pid_bh * TQ_ROWS + rows, start, KP_Q, BM, BN, BR, BC,
-                                            GRID, QMAX, QM, QE, EMAX, SCALE, SR)
-                    dq += _dot(vals, k, TC, INTERPRETED)
-                else:
-                    dq += _dot(ds, k, False, INTERPRETED)
-        if PHASE == 1:
-            tl.atomic_max(stat_ptr, tl.max(amax, axis=0))
+        s, _ = _scores(q, k_ptr, kb, cols, d, D, TK, keep_ptr, mb, rows, sm_q, sm_k, TQ, s_scale, HAS_KEEP,
+                       TC, INTERPRETED)
+        p, ds = _probs_and_ds(s, lse, do, v, delta, dec_v, TC, INTERPRETED)
+        dv += _dot(tl.trans(round_to_bf16(p)), do, TC, INTERPRETED)
+        if QUANT:
+            if SQUARE:  # one 2D-tile quantization serves both GEMMs
+                vals, _ = quantize_tile(ds, stat_ptr, seed, pid_bh * TQ_ROWS + rows, pid * BN, KP_Q, BM, BN,
+                                        BR, BC, GRID, QMAX, QM, QE, EMAX, SCALE, SR)
+                dk += _dot(tl.trans(vals), q, TC, INTERPRETED)
+            else:  # along queries: rows of the flattened [B H TK_ROWS, KP_K] matrix of dS^T, seed + 1
+                vals, _ = quantize_tile(tl.trans(ds), stat_ptr, seed + 1, pid_bh * TK_ROWS + cols, start, KP_K,
+                                        BN, BM, BR, BC, GRID, QMAX, QM, QE, EMAX, SCALE, SR)
+                dk += _dot(vals, q, TC, INTERPRETED)
         else:
-            tl.store(dq_ptr + qb + rows[:, None] * D + d[None, :], dq * (ds_dec * dec_k * scale),
-                     mask=rows[:, None] < TQ)
-    else:  # PHASE 3: a block of keys against every query block
-        cols = pid * BN + tl.arange(0, BN)
-        k = tl.load(k_ptr + kb + cols[:, None] * D + d[None, :], mask=cols[:, None] < TK, other=0.0)
-        v = tl.load(v_ptr + kb + cols[:, None] * D + d[None, :], mask=cols[:, None] < TK, other=0.0)
-        dk = tl.zeros([BN, D], tl.float32)
-        dv = tl.zeros([BN, D], tl.float32)
-        for start in range(0, TQ, BM):
-            rows = start + tl.arange(0, BM)
-            q = tl.load(q_ptr + qb + rows[:, None] * D + d[None, :], mask=rows[:, None] < TQ, other=0.0)
-            do = tl.load(do_ptr + qb + rows[:, None] * D + d[None, :], mask=rows[:, None] < TQ, other=0.0)
-            lse = tl.load(lse_ptr + pid_bh * TQ + rows, mask=rows < TQ, other=float("inf"))
-            delta = tl.load(delta_ptr + pid_bh * TQ + rows, mask=rows < TQ, other=0.0)
-            s, k = _scores(q, k_ptr, kb, cols, d, D, TK, keep_ptr, mb, rows, sm_q, sm_k, TQ, s_scale, HAS_KEEP,
-                           TC, INTERPRETED)
-            p, ds = _probs_and_ds(s, lse, do, v, delta, dec_v, TC, INTERPRETED)
-            dv += _dot(tl.trans(round_to_bf16(p)), do, TC, INTERPRETED)
-            if QUANT:
-                if SQUARE:  # one 2D-tile quantization serves both GEMMs
-                    vals, _ = quantize_tile(ds, stat_ptr, seed, pid_bh * TQ_ROWS + rows, pid * BN, KP_Q, BM, BN,
-                                            BR, BC, GRID, QMAX, QM, QE, EMAX, SCALE, SR)
-                    dk += _dot(tl.trans(vals), q, TC, INTERPRETED)
-                else:  # along queries: rows of the flattened [B H TK_ROWS, KP_K] matrix of dS^T, seed + 1
-                    vals, _ = quantize_tile(tl.trans(ds), stat_ptr, seed + 1, pid_bh * TK_ROWS + cols, start, KP_K,
-                                            BN, BM, BR, BC, GRID, QMAX, QM, QE, EMAX, SCALE, SR)
-                    dk += _dot(vals, q, TC, INTERPRETED)
-            else:
-                dk += _dot(tl.trans(ds), q, False, INTERPRETED)
-        tl.store(dk_ptr + kb + cols[:, None] * D + d[None, :], dk * (ds_dec * dec_q * scale), mask=cols[:, None] < TK)
-        tl.store(dv_ptr + kb + cols[:, None] * D + d[None, :], dv, mask=cols[:, None] < TK)
+            dk += _dot(tl.trans(ds), q, False, INTERPRETED)
+    tl.store(dk_ptr + kb + cols[:, None] * D + d[None, :], dk * (ds_dec * dec_q * scale), mask=cols[:, None] < TK)
+    tl.store(dv_ptr + kb + cols[:, None] * D + d[None, :], dv, mask=cols[:, None] < TK)
 
 
 def flash_backward(qh, kh, vh, out, d_out, keep, scale: float, ds_spec, seed: int, decodes: torch.Tensor | None = None,
@@ -287,7 +324,8 @@ def flash_backward(qh, kh, vh, out, d_out, keep, scale: float, ds_spec, seed: in
     consts = dict(BM=bm, BN=bn, D=dim, HAS_KEEP=keep is not None, DEBUG=debug, TC=tc, INTERPRETED=not qh.is_cuda,
                   **quant)
     phases = [0, 1, 2, 3] if quant["QUANT"] and quant["SCALE"] == 2 else [0, 2, 3]
+    kernels = {0: _lse_kernel, 1: _dq_kernel, 2: _dq_kernel, 3: _dkdv_kernel}
     for phase in phases:
         grid = (triton.cdiv(tk, bn) if phase == 3 else triton.cdiv(tq, bm), bsz * heads)
-        wrap_triton(_flash_backward_kernel)[grid](*args, PHASE=phase, num_warps=4, **consts)
+        wrap_triton(kernels[phase])[grid](*args, PHASE=phase, num_warps=4, **consts)
     return (dq, dk, dv, dbg) if debug else (dq, dk, dv)
