@@ -159,7 +159,7 @@ def _lse_kernel(q_ptr, k_ptr, v_ptr, dec_ptr, do_ptr, delta_ptr, lse_ptr, stat_p
                 DEBUG: tl.constexpr, TC: tl.constexpr, INTERPRETED: tl.constexpr):
     """Phase 0: the log-sum-exp of each query row of a block (+inf for a row that sees nothing)."""
     pid, pid_bh = tl.program_id(0), tl.program_id(1)
-    _, _, _, s_scale, _ = _decodes(dec_ptr, stat_ptr, scale, False, SCALE, QMAX)
+    dec_q, dec_k, dec_v, s_scale, ds_dec = _decodes(dec_ptr, stat_ptr, scale, False, SCALE, QMAX)
     b, h = pid_bh // H, pid_bh % H
     d = tl.arange(0, D)
     qb, kb, mb = pid_bh * TQ * D, pid_bh * TK * D, b * sm_b + h * sm_h
@@ -169,7 +169,7 @@ def _lse_kernel(q_ptr, k_ptr, v_ptr, dec_ptr, do_ptr, delta_ptr, lse_ptr, stat_p
     l_i = tl.zeros([BM], tl.float32)
     for start in range(0, TK, BN):
         cols = start + tl.arange(0, BN)
-        s, _ = _scores(q, k_ptr, kb, cols, d, D, TK, keep_ptr, mb, rows, sm_q, sm_k, TQ, s_scale, HAS_KEEP,
+        s, k = _scores(q, k_ptr, kb, cols, d, D, TK, keep_ptr, mb, rows, sm_q, sm_k, TQ, s_scale, HAS_KEEP,
                        TC, INTERPRETED)
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         live = m_new > float("-inf")
@@ -191,7 +191,7 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, dec_ptr, do_ptr, delta_ptr, lse_ptr, stat_pt
                DEBUG: tl.constexpr, TC: tl.constexpr, INTERPRETED: tl.constexpr):
     """Phase 1 (dS's tensor amax, atomic) or 2 (dQ = Q_keys(dS) K^ scale) for a block of query rows."""
     pid, pid_bh = tl.program_id(0), tl.program_id(1)
-    _, dec_k, dec_v, s_scale, ds_dec = _decodes(dec_ptr, stat_ptr, scale, QUANT and PHASE == 2, SCALE, QMAX)
+    dec_q, dec_k, dec_v, s_scale, ds_dec = _decodes(dec_ptr, stat_ptr, scale, QUANT and PHASE == 2, SCALE, QMAX)
     b, h = pid_bh // H, pid_bh % H
     d = tl.arange(0, D)
     qb, kb, mb = pid_bh * TQ * D, pid_bh * TK * D, b * sm_b + h * sm_h  # Q^, dO, dQ [B H TQ D]; K^, V^ [B H TK D]
@@ -215,8 +215,8 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, dec_ptr, do_ptr, delta_ptr, lse_ptr, stat_pt
                 tl.store(dbg_ptr + pid_bh * TQ * TK + rows[:, None] * TK + cols[None, :], ds,
                          mask=(rows[:, None] < TQ) & (cols[None, :] < TK))
             if QUANT:  # along keys: rows of the flattened [B H TQ_ROWS, KP_Q] matrix
-                vals, _ = quantize_tile(ds, stat_ptr, seed, pid_bh * TQ_ROWS + rows, start, KP_Q, BM, BN, BR, BC,
-                                        GRID, QMAX, QM, QE, EMAX, SCALE, SR)
+                vals, vals_dec = quantize_tile(ds, stat_ptr, seed, pid_bh * TQ_ROWS + rows, start, KP_Q, BM, BN,
+                                               BR, BC, GRID, QMAX, QM, QE, EMAX, SCALE, SR)
                 dq += _dot(vals, k, TC, INTERPRETED)
             else:
                 dq += _dot(ds, k, False, INTERPRETED)
@@ -237,7 +237,7 @@ def _dkdv_kernel(q_ptr, k_ptr, v_ptr, dec_ptr, do_ptr, delta_ptr, lse_ptr, stat_
                  DEBUG: tl.constexpr, TC: tl.constexpr, INTERPRETED: tl.constexpr):
     """Phase 3: dK = Q_queries(dS)^T Q^ scale and dV = bf16(P)^T dO for a block of keys."""
     pid, pid_bh = tl.program_id(0), tl.program_id(1)
-    dec_q, _, dec_v, s_scale, ds_dec = _decodes(dec_ptr, stat_ptr, scale, QUANT, SCALE, QMAX)
+    dec_q, dec_k, dec_v, s_scale, ds_dec = _decodes(dec_ptr, stat_ptr, scale, QUANT, SCALE, QMAX)
     b, h = pid_bh // H, pid_bh % H
     d = tl.arange(0, D)
     qb, kb, mb = pid_bh * TQ * D, pid_bh * TK * D, b * sm_b + h * sm_h
@@ -251,18 +251,18 @@ def _dkdv_kernel(q_ptr, k_ptr, v_ptr, dec_ptr, do_ptr, delta_ptr, lse_ptr, stat_
         do = tl.load(do_ptr + qb + rows[:, None] * D + d[None, :], mask=rows[:, None] < TQ, other=0.0)
         lse = tl.load(lse_ptr + pid_bh * TQ + rows, mask=rows < TQ, other=float("inf"))
         delta = tl.load(delta_ptr + pid_bh * TQ + rows, mask=rows < TQ, other=0.0)
-        s, _ = _scores(q, k_ptr, kb, cols, d, D, TK, keep_ptr, mb, rows, sm_q, sm_k, TQ, s_scale, HAS_KEEP,
+        s, k = _scores(q, k_ptr, kb, cols, d, D, TK, keep_ptr, mb, rows, sm_q, sm_k, TQ, s_scale, HAS_KEEP,
                        TC, INTERPRETED)
         p, ds = _probs_and_ds(s, lse, do, v, delta, dec_v, TC, INTERPRETED)
         dv += _dot(tl.trans(round_to_bf16(p)), do, TC, INTERPRETED)
         if QUANT:
             if SQUARE:  # one 2D-tile quantization serves both GEMMs
-                vals, _ = quantize_tile(ds, stat_ptr, seed, pid_bh * TQ_ROWS + rows, pid * BN, KP_Q, BM, BN,
-                                        BR, BC, GRID, QMAX, QM, QE, EMAX, SCALE, SR)
+                vals, vals_dec = quantize_tile(ds, stat_ptr, seed, pid_bh * TQ_ROWS + rows, pid * BN, KP_Q, BM, BN,
+                                               BR, BC, GRID, QMAX, QM, QE, EMAX, SCALE, SR)
                 dk += _dot(tl.trans(vals), q, TC, INTERPRETED)
             else:  # along queries: rows of the flattened [B H TK_ROWS, KP_K] matrix of dS^T, seed + 1
-                vals, _ = quantize_tile(tl.trans(ds), stat_ptr, seed + 1, pid_bh * TK_ROWS + cols, start, KP_K,
-                                        BN, BM, BR, BC, GRID, QMAX, QM, QE, EMAX, SCALE, SR)
+                vals, vals_dec = quantize_tile(tl.trans(ds), stat_ptr, seed + 1, pid_bh * TK_ROWS + cols, start,
+                                               KP_K, BN, BM, BR, BC, GRID, QMAX, QM, QE, EMAX, SCALE, SR)
                 dk += _dot(vals, q, TC, INTERPRETED)
         else:
             dk += _dot(tl.trans(ds), q, False, INTERPRETED)

@@ -1,0 +1,84 @@
+"""Compile the Triton kernel variants the GPU runs for Hopper (sm_90) on this machine, with Triton's own compiler
+(PTX and a cubin through the bundled ptxas) -- not its interpreter, so run it without TRITON_INTERPRET:
+
+    python tests/hopper_compile.py        # one line per variant, "ok" or "FAIL ...", then the failure count
+
+tests/test_kernels_compile.py runs it in a subprocess."""
+import inspect
+import sys
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from hf_fp4 import QuantSpec
+from hf_fp4.kernels import attention, sharq
+from hf_fp4.kernels.numerics import grid_constants
+from hf_fp4.kernels.quant import SCALE_CODES
+
+
+def compile_for_hopper(kernel, types: dict, constexprs: dict, num_warps: int = 4):
+    params = list(inspect.signature(kernel.fn).parameters)
+    signature = {p: ("constexpr" if p in constexprs else types.get(p, "i32")) for p in params}
+    values = {(params.index(p),): v for p, v in constexprs.items()}
+    return triton.compile(ASTSource(kernel, signature, values), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps})
+
+
+def quant_constants(name: str) -> dict:
+    spec = QuantSpec.preset(name)
+    grid = {k: v for k, v in grid_constants(spec.grid).items() if k not in ("EMIN", "MBITS")}
+    return dict(QUANT=True, SQUARE=spec.block[0] == spec.block[1], BR=spec.block[0], BC=spec.block[1], **grid,
+                SCALE=SCALE_CODES[spec.scale], SR=spec.rounding.value == "stochastic")
+
+
+def backward_cases():
+    for tc in (True, False):
+        t = "*bf16" if tc else "*fp32"
+        types = {"q_ptr": t, "k_ptr": t, "v_ptr": t, "do_ptr": t, "keep_ptr": "*i8", "scale": "fp32", "seed": "i64",
+                 **{p: "*fp32" for p in ("dec_ptr", "delta_ptr", "lse_ptr", "stat_ptr", "dq_ptr", "dk_ptr", "dv_ptr",
+                                         "dbg_ptr")}}
+        for name in ("nvfp4", "nvfp4_2d", "mxfp4"):
+            consts = dict(BM=32, BN=32, D=128, HAS_KEEP=True, DEBUG=False, TC=tc, INTERPRETED=False,
+                          **quant_constants(name))
+            for phase, kernel in ((0, attention._lse_kernel), (1, attention._dq_kernel), (2, attention._dq_kernel),
+                                  (3, attention._dkdv_kernel)):
+                if phase == 1 and consts["SCALE"] != 2:
+                    continue
+                yield f"bwd{phase}-{name}-tc{int(tc)}", kernel, types, {**consts, "PHASE": phase}
+
+
+def cases():
+    for tc, t in ((True, "*bf16"), (False, "*fp32")):
+        types = {"q_ptr": t, "k_ptr": t, "v_ptr": t, "dec_ptr": "*fp32", "keep_ptr": "*i8", "o_ptr": "*fp32",
+                 "scale": "fp32"}
+        yield f"fwd-tc{int(tc)}", attention._flash_forward_kernel, types, dict(BM=32, BN=32, D=128, HAS_KEEP=True,
+                                                                                 TC=tc, INTERPRETED=False)
+    yield from backward_cases()
+    for name in ("nvfp4", "mxfp4"):
+        spec = QuantSpec.preset(name)
+        for phase in (0, 1, 2):
+            for parts in (True, False):
+                out = "*bf16" if parts else "*fp32"
+                types = {"x_ptr": "*bf16", "sp_ptr": out, "res_ptr": out, "stat_ptr": "*fp32", "bad_ptr": "*i32"}
+                consts = dict(BM=32, BK=64, BC=spec.block[1], **grid_constants(spec.grid),
+                              SCALE=SCALE_CODES[spec.scale], PHASE=phase, PARTS=parts)
+                yield f"sharq-{name}-{phase}-parts{int(parts)}", sharq._sharq_kernel, types, consts
+
+
+def main() -> int:
+    failures = 0
+    for label, kernel, types, constexprs in cases():
+        try:
+            compiled = compile_for_hopper(kernel, types, constexprs)
+            assert ".target sm_90" in compiled.asm["ptx"]
+            print("ok", label, flush=True)
+        except Exception as err:  # noqa: BLE001  (report every variant)
+            failures += 1
+            print("FAIL", label, type(err).__name__, str(err)[-400:].replace("\n", " | "), flush=True)
+    print("failures", failures)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
