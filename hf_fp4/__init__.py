@@ -1,9 +1,10 @@
 """hf_fp4: FP4 pretraining for the Hugging Face stack, with an exact pure-PyTorch reference."""
-from .formats import Grid, decode, encode, grid_max, magnitudes, round_to_grid
-from .hadamard import apply_hadamard, hadamard_matrix, random_signs, remove_mean_bias, seeded_signs
-from .quantize import NonFiniteError, QuantizedTensor, fake_quantize, quant_error_stats, quantize
-from .scales import ScaleRule
-from .spec import NonFinite, QuantSpec, Rounding
+from .numerics.formats import Grid, decode, encode, grid_max, magnitudes, round_to_grid
+from .numerics.hadamard import apply_hadamard, hadamard_matrix, random_signs, remove_mean_bias, seeded_signs
+from .numerics.quantize import NonFiniteError, QuantizedTensor, quant_error_stats
+from .nn.backends import fake_quantize, quantize
+from .numerics.scales import ScaleRule
+from .numerics.spec import NonFinite, QuantSpec, Rounding
 
 __version__ = "0.1.0"
 
@@ -14,11 +15,12 @@ __all__ = [
     "remove_mean_bias",
 ]
 
-from .convert import (convert_model, fp4_modules, load_rng_state_dict, lora_svd_split, maybe_refresh_lora_svd,
+from .nn.lora_svd import maybe_refresh as maybe_refresh_lora_svd, split_model as lora_svd_split
+from .nn.swap import (convert_model, fp4_modules, load_rng_state_dict,
                       rng_state_dict, swap_linear_layers)
-from .linear import FP4Linear, observe_operands
-from .recipe import PRESET_NAMES, GemmSpec, HadamardSpec, LayerRules, LinearRecipe, Recipe, preset
-from .integration import FP4HfQuantizer, FP4TrainConfig, register as _register
+from .nn.linear import FP4Linear, observe_operands
+from .nn.recipe import PRESET_NAMES, GemmSpec, HadamardSpec, LayerRules, LinearRecipe, Recipe, preset
+from .hf.quantizer import FP4HfQuantizer, FP4TrainConfig, register as _register
 
 _register()
 
@@ -28,8 +30,8 @@ __all__ += [
     "observe_operands", "lora_svd_split", "maybe_refresh_lora_svd", "rng_state_dict", "load_rng_state_dict",
 ]
 
-from .compile import compile_model  # noqa: E402
-from .diagnostics import collect_diagnostics  # noqa: E402
-from .attention import AttentionRecipe, fp4_attention  # noqa: E402
+from .nn.compile import compile_model  # noqa: E402
+from .nn.diagnostics import collect_diagnostics  # noqa: E402
+from .nn.attention import AttentionRecipe, fp4_attention  # noqa: E402
 
 __all__ += ["collect_diagnostics", "compile_model", "AttentionRecipe", "fp4_attention"]

@@ -16,7 +16,7 @@ PRETRAIN_USAGE = """Pretrain a causal LM with an hf_fp4 recipe.
 Overrides are dotted keys with YAML values: recipe=nvfp4 model.hidden_size=256 recipe_options.lora_svd_rank=8
 """
 
-STUDY_USAGE = """Run a convergence study (configs/study/*.yaml; format in hf_fp4/study.py) and summarise it.
+STUDY_USAGE = """Run a convergence study (configs/study/*.yaml; format in hf_fp4/train/study.py) and summarise it.
 
     python scripts/study.py configs/study/recipes-50m.yaml [--out benchmarks/study-recipes-50m]
         [--parallel 4] [--gpus 0,1] [--summary-only]
@@ -28,8 +28,8 @@ results.json, table.md, val_curves.png and gaps.png into --out (runs under --out
 
 def pretrain(argv=None) -> int:
     import hf_fp4  # noqa: F401  (registers the quant method)
-    from .train_config import load_config
-    from .trainer import train
+    from .train.config import load_config
+    from .train.trainer import train
 
     parser = argparse.ArgumentParser(description=PRETRAIN_USAGE, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="YAML config (configs/*.yaml)")
@@ -50,7 +50,7 @@ def pretrain(argv=None) -> int:
 def study(argv=None) -> int:
     import yaml
 
-    from .study import load_study, run_study, summarize
+    from .train.study import load_study, run_study, summarize
 
     parser = argparse.ArgumentParser(description=STUDY_USAGE, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("study", help="study YAML")

@@ -1,6 +1,6 @@
 """FP4 attention as Triton flash-attention kernels (issue 12): `flash_forward` and `flash_backward`.
 
-`flash_forward(qh, kh, vh, keep, scale, decodes)` takes the quantized Q^, K^, V^ of `hf_fp4.attention`
+`flash_forward(qh, kh, vh, keep, scale, decodes)` takes the quantized Q^, K^, V^ of `hf_fp4.nn.attention`
 ([B, H, T, D], GQA expanded) -- as FP32 values, or as exact BF16 values (code x block scale,
 `attention.tensor_core_operand`) with their tensor decode scales, which run on the tensor cores -- and computes O = softmax(Q^ K^T * scale, masked) V^ tile by tile with an online
 softmax, never holding S or P: S in FP32 from the exact operand values, P = exp(S - m) rounded to BF16 before
@@ -111,7 +111,7 @@ def flash_forward(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, keep: to
 #   1  the tensor amax of dS (two-level dS specs only) (grid: query blocks)
 #   2  dQ                                             (grid: query blocks; loops over key blocks)
 #   3  dK and dV                                      (grid: key blocks; loops over query blocks)
-# dS is quantized in registers by numerics.quantize_tile exactly as hf_fp4.attention.quantize_rows does
+# dS is quantized in registers by numerics.quantize_tile exactly as hf_fp4.nn.attention.quantize_rows does
 # on the whole tensor: blocks along keys for dQ (rows = (b, h, query) of the flattened [B H Tq, Tk] matrix),
 # along queries for dK (rows = (b, h, key) of dS^T, seed + 1), or one 2D-tile quantization for both.
 # Phases 2 and 3 compute each dS element with the same instructions, so both GEMMs see the same dS.
@@ -272,14 +272,14 @@ def _dkdv_kernel(q_ptr, k_ptr, v_ptr, dec_ptr, do_ptr, delta_ptr, lse_ptr, stat_
 
 def flash_backward(qh, kh, vh, out, d_out, keep, scale: float, ds_spec, seed: int, decodes: torch.Tensor | None = None,
                    tile: tuple[int, int] = (32, 32), debug: bool = False):
-    """dQ, dK, dV in FP32 ([B, H, T, D], GQA expanded) of hf_fp4.attention's backward, from the saved Q^, K^, V^
+    """dQ, dK, dV in FP32 ([B, H, T, D], GQA expanded) of hf_fp4.nn.attention's backward, from the saved Q^, K^, V^
     (FP32 values, or exact BF16 values with their tensor `decodes` [3] as flash_forward takes them), the forward
     output and dO; ds_spec: dS's QuantSpec (None: high precision).  The tensor cores run every GEMM when the
     operands are BF16 and so is dO (products exact, FP32 sums; tensor scales applied after); otherwise IEEE FP32
     dots.  debug: also the unquantized dS [B, H, TQ, TK] the kernels computed (tests)."""
-    from hf_fp4.formats import Grid
-    from hf_fp4.scales import ScaleRule
-    from hf_fp4.spec import Rounding
+    from hf_fp4.numerics.formats import Grid
+    from hf_fp4.numerics.scales import ScaleRule
+    from hf_fp4.numerics.spec import Rounding
 
     from .numerics import grid_constants
     from .quant import SCALE_CODES

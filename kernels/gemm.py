@@ -7,7 +7,7 @@
    product of the row scales applied after (powers of two: exact).  The FP8 tensor cores accumulate
    with reduced precision: within FP32 accumulation error only while each step's products span a
    limited range (benchmarks/results-2026-12-02.md; 1x128 block scales were measured and dropped,
-   hf_fp4/operand_plan.py);
+   hf_fp4/numerics/operand_plan.py);
 2. a correction launch that recomputes exactly, from the E4M3 data, the `side` values and the block
    exponents, every output tile that touches a row flagged as holding a block below E4M3's range,
    and overwrites it.  The recomputation runs on the BF16 tensor cores: every exact operand value is

@@ -1,4 +1,4 @@
-"""Triton twins of the reference numerics (hf_fp4.formats, hf_fp4.scales, hf_fp4.hadamard, hf_fp4.philox).
+"""Triton twins of the reference numerics (hf_fp4.numerics.formats, hf_fp4.numerics.scales, hf_fp4.numerics.hadamard, hf_fp4.numerics.philox).
 
 Every helper here is a @triton.jit function used by the quantization kernels (`quant.py`: packed codes
 and scales; `operand.py`: GEMM operands).  Each computes exactly what its reference twin computes;
@@ -17,22 +17,22 @@ otherwise memory-bound:
 * E4M3 (MXFP8 elements and UE4M3 block scales) keeps the general float-grid form.
 
 Stochastic-rounding noise is drawn four elements per Philox call (`tl.rand4x`), in the layout of
-hf_fp4.philox.philox_noise.
+hf_fp4.numerics.philox.philox_noise.
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from hf_fp4.formats import FLOAT_PARAMS as GRID_PARAMS
-from hf_fp4.formats import Grid
+from hf_fp4.numerics.formats import FLOAT_PARAMS as GRID_PARAMS
+from hf_fp4.numerics.formats import Grid
 
 #: Grid ids the kernels branch on (constexpr).
 GRID_IDS = {Grid.E2M1: 0, Grid.E1M2: 1, Grid.INT4: 2, Grid.E4M3: 3}
 #: OCP emax of the element grid (floor(log2 max)).
 GRID_EMAX = {Grid.E2M1: 2, Grid.E1M2: 0, Grid.INT4: 2, Grid.E4M3: 8}
 FLT_MAX = 3.4028234663852886e38
-FLT_MIN = tl.constexpr(1.1754943508222875e-38)  # FP32's smallest normal number (hf_fp4.formats.FLT_MIN)
+FLT_MIN = tl.constexpr(1.1754943508222875e-38)  # FP32's smallest normal number (hf_fp4.numerics.formats.FLT_MIN)
 
 
 @triton.jit
@@ -130,7 +130,7 @@ def tensor_encode_scale(tensor_amax, QMAX: tl.constexpr):
 
 @triton.jit
 def capped_reciprocal(x):
-    """1 / x (IEEE division) capped at FLT_MAX: the two-level encode factor (hf_fp4.scales.ue4m3_two_level)."""
+    """1 / x (IEEE division) capped at FLT_MAX: the two-level encode factor (hf_fp4.numerics.scales.ue4m3_two_level)."""
     return tl.minimum(tl.math.div_rn(tl.full(x.shape, 1.0, tl.float32), x), 3.4028234663852886e38)
 
 
@@ -173,7 +173,7 @@ def hadamard(x, signs_ptr, BM: tl.constexpr, BK: tl.constexpr, H: tl.constexpr, 
 
 @triton.jit
 def flush_subnormals(x):
-    """hf_fp4.formats.flush_subnormals: |x| < 2^-126 -> +0 (NaN, inf kept)."""
+    """hf_fp4.numerics.formats.flush_subnormals: |x| < 2^-126 -> +0 (NaN, inf kept)."""
     return tl.where(tl.abs(x) < FLT_MIN, 0.0, x)
 
 
@@ -279,7 +279,7 @@ def grid_constants(grid: Grid) -> dict:
     """The constexpr arguments of a grid: id, float-format parameters, max as (mantissa, exponent), emax."""
     import math
 
-    from hf_fp4.formats import grid_max
+    from hf_fp4.numerics.formats import grid_max
 
     emin, mbits = GRID_PARAMS[grid]
     qm, qe = math.frexp(grid_max(grid))

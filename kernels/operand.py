@@ -10,7 +10,7 @@ of each orientation in two passes over t:
 2. the operand pass reads t once more and writes both operands: "A" = the rows of t (blocks along
    C) and "B" = the rows of t^T (blocks along R), through a register transpose of the same tile.
 
-Operand forms (bit-exact with the reference values, `hf_fp4.quantize` then `dequantize`):
+Operand forms (bit-exact with the reference values, `hf_fp4.numerics.quantize` then `dequantize`):
 
 * `bf16`: v * s_b (UE4M3 block scale: 8 significant bits at most) or v * 2^e (E8M0), exact in BF16;
   the FP32 tensor decode scale goes to the GEMM;
@@ -32,8 +32,8 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
-from hf_fp4.operand_plan import Operand, OperandPlan, empty_operand, fp8_dmax, fp8_shift
-from hf_fp4.spec import Rounding
+from hf_fp4.numerics.operand_plan import Operand, OperandPlan, empty_operand, fp8_dmax, fp8_shift
+from hf_fp4.numerics.spec import Rounding
 
 from .numerics import (block_max, capped_reciprocal, e8m0_exponent, expand_blocks, grid_constants, hadamard, pow2,
                        round_grid, sr_uniforms, tensor_encode_scale, ue4m3_block_scale)

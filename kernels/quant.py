@@ -1,9 +1,9 @@
 """Fused Triton quantization into packed codes + block scales (a `QuantizedTensor`).
 
 `triton_quantize(x, spec, seed=..., hadamard=..., signs=..., mu=..., transpose=...)` is bit-exact
-with the reference (`hf_fp4.quantize`, `hf_fp4.apply_hadamard`) for every QuantSpec: all grids, 1D
+with the reference (`hf_fp4.numerics.quantize`, `hf_fp4.apply_hadamard`) for every QuantSpec: all grids, 1D
 blocks and 2D tiles, every scale rule, round-to-nearest and stochastic rounding (Philox noise in the
-layout of `hf_fp4.philox.philox_noise`), zero padding, and the NaN policy.  It serves packing and
+layout of `hf_fp4.numerics.philox.philox_noise`), zero padding, and the NaN policy.  It serves packing and
 export; training uses `operand.py`, which writes GEMM operands instead of codes.
 
 Per tile of [BLOCK_M, BLOCK_K] elements, in registers: optional mean subtraction, optional Hadamard,
@@ -18,11 +18,11 @@ import torch
 import triton
 import triton.language as tl
 
-from hf_fp4.formats import Grid
-from hf_fp4.hadamard import padded_width
-from hf_fp4.qtensor import NonFiniteError, QuantizedTensor
-from hf_fp4.scales import ScaleRule
-from hf_fp4.spec import NonFinite, QuantSpec, Rounding
+from hf_fp4.numerics.formats import Grid
+from hf_fp4.numerics.hadamard import padded_width
+from hf_fp4.numerics.qtensor import NonFiniteError, QuantizedTensor
+from hf_fp4.numerics.scales import ScaleRule
+from hf_fp4.numerics.spec import NonFinite, QuantSpec, Rounding
 
 from .numerics import (block_any, block_max, capped_reciprocal, e8m0_exponent, expand_blocks, flush_subnormals,
                        grid_code, grid_constants, hadamard, pow2, round_grid, sr_uniforms, tensor_encode_scale,
@@ -169,6 +169,6 @@ def triton_quantize(x: torch.Tensor, spec: QuantSpec, seed: int | None = None, h
         scales = scales.view(torch.float8_e4m3fn)
     tensor_scale = None
     if spec.scale is ScaleRule.UE4M3_FP32:
-        from hf_fp4.scales import nvfp4_tensor_encode_scale
+        from hf_fp4.numerics.scales import nvfp4_tensor_encode_scale
         tensor_scale = torch.reciprocal(nvfp4_tensor_encode_scale(stat[0], spec.grid))
     return QuantizedTensor(codes.contiguous(), scales.contiguous(), tensor_scale, shape, spec)

@@ -1,4 +1,4 @@
-"""SharQ's two activation operands from fused Triton passes, bit-exact with `hf_fp4.sharq.sharq_operands`.
+"""SharQ's two activation operands from fused Triton passes, bit-exact with `hf_fp4.nn.sharq.sharq_operands`.
 
 Per [BM, BK] tile of x, in registers: the 4:8 in-pairs mask (each group of 8 along K keeps the 2 of its 4
 adjacent pairs with the largest |a| + |b|, ties to the lower pair), the backbone x_sp, its quantization
@@ -19,9 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
-from hf_fp4.qtensor import NonFiniteError
-from hf_fp4.scales import ScaleRule, nvfp4_tensor_encode_scale
-from hf_fp4.spec import QuantSpec, Rounding
+from hf_fp4.numerics.qtensor import NonFiniteError
+from hf_fp4.numerics.scales import ScaleRule, nvfp4_tensor_encode_scale
+from hf_fp4.numerics.spec import QuantSpec, Rounding
 
 from .numerics import flush_subnormals, grid_constants, quantize_tile
 from .quant import SCALE_CODES
@@ -78,7 +78,7 @@ def _sharq_kernel(x_ptr, sp_ptr, res_ptr, stat_ptr, bad_ptr, M, K, stride_m, str
 
 def triton_sharq_operands(x: torch.Tensor, spec: QuantSpec, tile: tuple[int, int, int] = (32, 64, 4),
                           parts: bool = False):
-    """(Q(x_sp), Q(x - Q(x_sp))) in FP32, each x's shape: `hf_fp4.sharq.sharq_operands`, fused; parts: each as
+    """(Q(x_sp), Q(x - Q(x_sp))) in FP32, each x's shape: `hf_fp4.nn.sharq.sharq_operands`, fused; parts: each as
     (BF16 grid value x block scale, FP32 tensor decode)."""
     if spec.block[0] != 1 or spec.rounding is not Rounding.NEAREST or spec.scale is ScaleRule.FP32:
         raise ValueError(f"the fused SharQ kernel takes 1D blocks, nearest rounding and E8M0 or UE4M3 scales; "

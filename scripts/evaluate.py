@@ -14,7 +14,7 @@ import sys
 import torch
 
 import hf_fp4  # noqa: F401  (registers the quant method before any model is loaded)
-from hf_fp4.evaluation import load_model, post_training_quantize, run_lm_eval, write_results
+from hf_fp4.release.evaluation import load_model, post_training_quantize, run_lm_eval, write_results
 
 
 def main(argv=None):

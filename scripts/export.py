@@ -10,7 +10,7 @@ import argparse
 import sys
 
 import hf_fp4  # noqa: F401
-from hf_fp4.export import FORMATS, export_model
+from hf_fp4.release.export import FORMATS, export_model
 
 
 def main(argv=None):
@@ -28,7 +28,7 @@ def main(argv=None):
     try:
         report = export_model(args.model, args.format, args.output, args.overwrite, args.dtype, args.gguf_type)
         if not args.no_card and args.format != "gguf":
-            from hf_fp4.model_card import write_model_card
+            from hf_fp4.release.model_card import write_model_card
             write_model_card(args.output, args.model, args.format, args.eval_results)
     except (ValueError, FileNotFoundError, FileExistsError, ImportError) as err:
         p.exit(2, f"error: {err}\n")

@@ -30,7 +30,7 @@ from torch import nn
 
 import hf_fp4
 from hf_fp4 import FP4Linear, QuantSpec, preset
-from hf_fp4.operands import OperandPlan, operands
+from hf_fp4.nn.operands import OperandPlan, operands
 
 FP8_CHUNK = 128  # the block-scale width of the 1x128 FP8 GEMMs measured (and dropped) by --gemm, --triton-gemm
 CHUNK = tl.constexpr(FP8_CHUNK)
@@ -417,7 +417,7 @@ def mutations(dev: str) -> None:
 
     from hf_fp4.kernels import gemm as gemm_module
     from hf_fp4.kernels import operand as operand_module
-    from hf_fp4.operands import gemm
+    from hf_fp4.nn.operands import gemm
 
     launches = []
 

@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 
 import hf_fp4  # noqa: F401
-from hf_fp4.evaldata import heldout_corpus_texts
-from hf_fp4.evaluation import load_model, markdown_table, post_training_quantize, run_lm_eval, token_perplexity
-from hf_fp4.models import fetch_smollm2
+from hf_fp4.release.evaldata import heldout_corpus_texts
+from hf_fp4.release.evaluation import load_model, markdown_table, post_training_quantize, run_lm_eval, token_perplexity
+from hf_fp4.release.models import fetch_smollm2
 
 # Rows: (name, preset, Hadamard, Hadamard size, post_training_quantize options).  Plain names quantize weights
 # and activations in fprop (W4A4; the names of earlier tables), " W4A16" the weights alone; nvfp4's weights

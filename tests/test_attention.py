@@ -1,4 +1,4 @@
-"""FP4 attention (hf_fp4.attention): the reference against products built independently from the spec in
+"""FP4 attention (hf_fp4.nn.attention): the reference against products built independently from the spec in
 float64, SDPA when nothing is quantized, masks and GQA, and attn_implementation="hf_fp4" in a model."""
 import dataclasses
 
@@ -8,7 +8,7 @@ from tiny import tiny_config
 
 import hf_fp4
 from hf_fp4 import QuantSpec, quantize
-from hf_fp4.attention import AttentionRecipe, fp4_attention
+from hf_fp4.nn.attention import AttentionRecipe, fp4_attention
 
 B, H, HKV, T, D = 2, 4, 2, 24, 32
 
@@ -20,7 +20,7 @@ def qkv(seed=0, dtype=torch.bfloat16):
 
 
 def q64(x, spec, along_last=True):
-    """x quantized by hf_fp4.quantize with blocks along the last dim (or dim -2), as float64."""
+    """x quantized by hf_fp4.numerics.quantize with blocks along the last dim (or dim -2), as float64."""
     y = x if along_last else x.transpose(-1, -2)
     out = quantize(y.float().reshape(-1, y.shape[-1]), spec).dequantize(torch.float32).reshape(y.shape).double()
     return out if along_last else out.transpose(-1, -2)
@@ -104,7 +104,7 @@ def test_the_flash_forward_kernel_is_the_spec_within_the_bf16_rounding_of_p(name
     """hf_fp4.kernels.attention.flash_forward on the quantized Q^, K^, V^: within the spec's and the kernel's
     BF16 roundings of each P element plus FP32 accumulation of the float64 spec (causal + padding + a query that sees nothing, GQA
     expanded, ragged T over several key tiles); the unrounded P's product lies outside that bound."""
-    from hf_fp4.attention import quantize_rows, tensor_core_operand
+    from hf_fp4.nn.attention import quantize_rows, tensor_core_operand
     from hf_fp4.kernels.attention import flash_forward
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -155,7 +155,7 @@ def test_the_flash_backward_quantizes_its_ds_as_the_spec_and_makes_the_spec_grad
     so every quantized dS element in registers is the spec's, bit for bit -- and dV = bf16(P)^T dO within the
     BF16 rounding of P.  Causal + padding + a query that sees nothing, ragged T over several tiles.  tensor_cores:
     Q^, K^, V^ as exact BF16 values with NVFP4 tensor decodes and a BF16 dO, the kernels' tensor-core path."""
-    from hf_fp4.attention import _ds_operands, tensor_core_operand
+    from hf_fp4.nn.attention import _ds_operands, tensor_core_operand
     from hf_fp4.kernels.attention import flash_backward
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -269,9 +269,9 @@ def test_fullstack_is_every_piece_and_each_switches_off(corpus_files, tmp_path, 
     from transformers import AutoModelForCausalLM
     from test_pretrain import records, tiny_cfg
 
-    from hf_fp4 import trainer
+    from hf_fp4.train import trainer
     from hf_fp4.optim import FP4AdamW
-    from hf_fp4.train_config import TrainConfig
+    from hf_fp4.train.config import TrainConfig
 
     full = AutoModelForCausalLM.from_config(tiny_config(), quantization_config=hf_fp4.FP4TrainConfig("fullstack"))
     layers = hf_fp4.fp4_modules(full)
@@ -305,7 +305,7 @@ def test_compiled_blocks_run_fp4_attention_eagerly_and_auto_mode_avoids_cuda_gra
     "auto" does not pick CUDA graphs for a model with FP4 attention (its host-side checks cannot be captured)."""
     from transformers import AutoModelForCausalLM
 
-    from hf_fp4.compile import graph_safe
+    from hf_fp4.nn.compile import graph_safe
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_config(), quantization_config=hf_fp4.FP4TrainConfig(

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import hf_fp4
-from hf_fp4 import trainer
-from hf_fp4.train_config import TrainConfig, load_config
+from hf_fp4.train import trainer
+from hf_fp4.train.config import TrainConfig, load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = {"model": {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -83,7 +83,7 @@ def _layer_with_backend(backend):
 
 
 def _config_only(tmp):
-    from hf_fp4.evaluation import load_model
+    from hf_fp4.release.evaluation import load_model
 
     (tmp / "m").mkdir()
     (tmp / "m" / "config.json").write_text("{}")
@@ -95,7 +95,7 @@ def _gguf_of(tmp, arch):
     import gguf  # the eval extra, installed by scripts/setup.sh
     import numpy as np
 
-    from hf_fp4.evaluation import load_model
+    from hf_fp4.release.evaluation import load_model
 
     writer = gguf.GGUFWriter(str(tmp / "m.gguf"), arch=arch)
     writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))

@@ -1,4 +1,4 @@
-"""The large built-in corpus (hf_fp4.corpus): Debian archives read without dpkg, prose and code documents,
+"""The large built-in corpus (hf_fp4.train.corpus): Debian archives read without dpkg, prose and code documents,
 de-duplication, the machine-dependent part fingerprinted, and the errors a machine without apt-get gets."""
 import gzip
 import io
@@ -6,8 +6,9 @@ import tarfile
 
 import pytest
 
-from hf_fp4 import corpus, data
-from hf_fp4.train_config import TrainConfig
+from hf_fp4.train import corpus
+from hf_fp4.train import data
+from hf_fp4.train.config import TrainConfig
 
 
 def make_deb(path, files: dict[str, bytes]):
@@ -85,9 +86,11 @@ def test_the_code_part_is_fingerprinted_by_its_file_list(debs):
 
 
 def test_without_apt_get_or_a_carried_archive_the_error_says_what_to_carry(tmp_path, monkeypatch):
-    monkeypatch.setattr(corpus.shutil, "which", lambda name: None)
+    from hf_fp4 import files
+
+    monkeypatch.setattr(files.shutil, "which", lambda name: None)
     with pytest.raises(RuntimeError, match=r"no apt-get here and no perl-doc_\*\.deb in .*carry"):
-        corpus.fetch_deb("perl-doc", tmp_path)
+        files.apt_download("perl-doc", tmp_path)
 
 
 def test_a_corrupt_archive_is_refused(tmp_path):

@@ -4,7 +4,7 @@ import json
 import numpy as np
 import pytest
 
-from hf_fp4 import data
+from hf_fp4.train import data
 
 
 def test_validation_split_is_by_document_and_deterministic():

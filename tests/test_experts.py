@@ -1,4 +1,4 @@
-"""FP4 expert GEMMs of Transformers' MoE layers (hf_fp4.experts): against per-expert FP4Linear layers and
+"""FP4 expert GEMMs of Transformers' MoE layers (hf_fp4.nn.experts): against per-expert FP4Linear layers and
 Transformers' own experts forward, through from_config / save / from_pretrained, and bad configs."""
 import pytest
 import torch
@@ -7,10 +7,10 @@ from transformers import AutoModelForCausalLM, MixtralConfig, OlmoeConfig, Qwen3
 
 import hf_fp4
 from hf_fp4 import FP4Linear, FP4TrainConfig, preset
-from hf_fp4.compile import graph_safe
-from hf_fp4.convert import load_rng_state_dict, rng_state_dict
-from hf_fp4.experts import ExpertsFP4, experts_modules, experts_states
-from hf_fp4.recipe import LinearRecipe
+from hf_fp4.nn.compile import graph_safe
+from hf_fp4.nn.swap import load_rng_state_dict, rng_state_dict
+from hf_fp4.nn.experts import ExpertsFP4, experts_modules, experts_states
+from hf_fp4.nn.recipe import LinearRecipe
 
 COMMON = dict(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
@@ -115,7 +115,7 @@ def test_unquantized_experts_equal_transformers_forward(arch):
     index, weights = routing(24, 4, 2, seed=3)
     y_eager = module(x, index, weights)
     gx_eager, gw_eager = torch.autograd.grad(y_eager.square().sum(), (x, module.down_proj))
-    hf_fp4.experts.register()
+    hf_fp4.nn.experts.register()
     module.hf_fp4 = ExpertsFP4(LinearRecipe(), "experts", 0, 4, ("gate_up_proj", "down_proj"))
     model.config._experts_implementation = "hf_fp4"
     y = module(x, index, weights)
@@ -198,7 +198,7 @@ def test_diagnostics_report_each_experts_operands():
 def test_bf16_export_holds_each_experts_dequantized_weight(tmp_path):
     """The plain (bf16) export: every expert's weight is its fprop operand, fake-quantized from the spec
     (nvfp4: 16x16 UE4M3 blocks with a tensor scale per expert), loadable without hf_fp4's quantizer."""
-    from hf_fp4.export import export_bf16
+    from hf_fp4.release.export import export_bf16
 
     model = moe_model("qwen3_moe", "nvfp4")
     module = model.model.layers[1].mlp.experts
@@ -220,7 +220,7 @@ def test_the_packed_export_stores_each_expert_and_reloads_to_the_same_logits(tmp
     included); the reloaded experts are frozen."""
     from safetensors.torch import load_file
 
-    from hf_fp4.export import export_fp4
+    from hf_fp4.release.export import export_fp4
 
     model = moe_model("qwen3_moe", recipe)
     ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(2))

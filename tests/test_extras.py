@@ -5,7 +5,8 @@ import sys
 import pytest
 import torch
 
-from hf_fp4 import extras, trainer
+from hf_fp4 import extras
+from hf_fp4.train import trainer
 
 
 def block(monkeypatch, *names):
@@ -24,7 +25,7 @@ def test_require_names_the_extra_and_optional_prints_one_line(monkeypatch, capsy
 
 
 def test_plot_runs_refuses_without_matplotlib(monkeypatch, tmp_path):
-    from hf_fp4.compare import plot_runs
+    from hf_fp4.train.compare import plot_runs
 
     block(monkeypatch, "matplotlib")
     with pytest.raises(ImportError, match=r"hf-fp4\[plot\]"):
@@ -39,7 +40,7 @@ def test_missing_trackers_are_skipped_with_a_note(monkeypatch, capsys):
 
 
 def test_lm_eval_and_gguf_are_refused_with_the_extra(monkeypatch, tmp_path):
-    from hf_fp4.evaluation import load_model, run_lm_eval
+    from hf_fp4.release.evaluation import load_model, run_lm_eval
 
     block(monkeypatch, "lm_eval", "gguf")
     with pytest.raises(ImportError, match=r"lm-eval.*hf-fp4\[eval\]|lm_eval.*hf-fp4\[eval\]"):
@@ -50,7 +51,7 @@ def test_lm_eval_and_gguf_are_refused_with_the_extra(monkeypatch, tmp_path):
 
 
 def test_compressed_tensors_export_is_refused_with_the_extra(monkeypatch, tmp_path):
-    from hf_fp4.export import export_compressed_tensors
+    from hf_fp4.release.export import export_compressed_tensors
 
     block(monkeypatch, "compressed_tensors", "compressed_tensors.quantization")
     with pytest.raises(ImportError, match=r"compressed-tensors.*hf-fp4\[eval\]"):

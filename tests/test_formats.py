@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from hf_fp4 import decode, encode, round_to_grid
-from hf_fp4.formats import grid_emax, grid_max
+from hf_fp4.numerics.formats import grid_emax, grid_max
 
 # (input, expected value, expected code) -- every tie point of the grid's low range, +-0, saturation.
 E2M1_TABLE = [

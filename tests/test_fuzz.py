@@ -15,8 +15,8 @@ from hypothesis import strategies as st  # noqa: E402
 
 import hf_fp4  # noqa: E402
 from hf_fp4 import QuantSpec, fake_quantize, quantize  # noqa: E402
-from hf_fp4.formats import grid_emax  # noqa: E402
-from hf_fp4.quantize import NonFiniteError  # noqa: E402
+from hf_fp4.numerics.formats import grid_emax  # noqa: E402
+from hf_fp4.numerics.quantize import NonFiniteError  # noqa: E402
 
 PRESETS = QuantSpec.presets()
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

@@ -16,8 +16,8 @@ if not CUDA:
 
 import hf_fp4  # noqa: E402
 from hf_fp4 import QuantSpec, apply_hadamard, quantize, seeded_signs  # noqa: E402
-from hf_fp4.philox import philox_uniform  # noqa: E402
-from hf_fp4.recipe import PRESET_NAMES, preset  # noqa: E402
+from hf_fp4.numerics.philox import philox_uniform  # noqa: E402
+from hf_fp4.nn.recipe import PRESET_NAMES, preset  # noqa: E402
 
 triton_quant = pytest.importorskip("hf_fp4.kernels.quant")
 DEV = "cuda" if CUDA else "cpu"
@@ -54,7 +54,7 @@ def test_philox_twin_matches_tl_rand_and_rand4x():
     import triton
     import triton.language as tl
 
-    from hf_fp4.philox import philox_words, to_uniform
+    from hf_fp4.numerics.philox import philox_words, to_uniform
 
     @triton.jit
     def draw(out, seed_ptr, N: tl.constexpr):
@@ -152,7 +152,7 @@ def test_kernel_matches_reference_at_large_sizes_on_gpu(spec):
 # GEMM operands (kernels/operand.py): both orientations of a tensor from one pass, equal to the
 # reference's dequantized values bit for bit, for every form a recipe can ask for.
 from exactness import assert_within_accumulation_error  # noqa: E402
-from hf_fp4.operands import OperandPlan, fp8_capable, gemm, operand_values, reference_operand  # noqa: E402
+from hf_fp4.nn.operands import OperandPlan, fp8_capable, gemm, operand_values, reference_operand  # noqa: E402
 
 
 def operand_cases():
@@ -294,7 +294,7 @@ def test_fp8_gemm_is_exact_with_blocks_below_e4m3_range(name, out_dtype):
     recomputed on the device, and only those rows are flagged."""
     from hf_fp4.kernels.gemm import correct_lost_tiles, scaled_mm
     from hf_fp4.kernels.operand import triton_operands
-    from hf_fp4.operands import fp8_shift
+    from hf_fp4.nn.operands import fp8_shift
 
     a, b = _spread_case(48, 40, 96, seed=1)
     spec = QuantSpec.preset(name)
@@ -432,7 +432,7 @@ def test_the_tile_fake_quantizer_is_the_reference(spec):
     """kernels.numerics.fake_quantize_tile (the in-register quantizer of the SharQ and attention kernels) equals
     hf_fp4.quantize(...).dequantize() bit for bit: 1D and 2D blocks, E8M0 and two-level scales, nearest and
     stochastic rounding (Philox at the element's place in the padded matrix), ragged edges."""
-    from hf_fp4.formats import flush_subnormals
+    from hf_fp4.numerics.formats import flush_subnormals
     from hf_fp4.kernels.numerics import grid_constants
     from hf_fp4.kernels.quant import SCALE_CODES
 

@@ -8,8 +8,8 @@ from torch import nn
 
 import hf_fp4
 from hf_fp4 import FP4Linear, QuantSpec, apply_hadamard, fake_quantize, observe_operands, preset, seeded_signs
-from hf_fp4.quantize import quantize
-from hf_fp4.recipe import LinearRecipe
+from hf_fp4.numerics.quantize import quantize
+from hf_fp4.nn.recipe import LinearRecipe
 from exactness import assert_within_accumulation_error
 from thresholds import LINEAR_SQNR_MIN_DB, LORA_SVD_MIN_IMPROVEMENT
 
@@ -360,7 +360,7 @@ def test_compiled_layers_sharing_an_input_quantize_it_once_unless_it_is_rounded_
     stochastically each layer draws its own noise, so each makes its own.  Either way, eager == compiled."""
     import torch._dynamo
 
-    from hf_fp4 import operands as operands_module
+    from hf_fp4.nn import operands as operands_module
 
     d = preset("mxfp4").linear.to_dict()
     if x_sr:

@@ -6,7 +6,7 @@ import torch
 
 from hf_fp4 import fake_quantize, quantize
 from hf_fp4.optim import FP4AdamW, state_bytes
-from hf_fp4.qtensor import expand_blocks
+from hf_fp4.numerics.qtensor import expand_blocks
 
 LR, B1, B2, EPS, WD = 1e-2, 0.9, 0.95, 1e-8, 0.1
 

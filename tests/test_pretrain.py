@@ -12,8 +12,8 @@ import torch
 import yaml
 import hf_fp4
 
-from hf_fp4 import trainer
-from hf_fp4.train_config import TrainConfig, load_config
+from hf_fp4.train import trainer
+from hf_fp4.train.config import TrainConfig, load_config
 from conftest import need
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -295,11 +295,11 @@ def stop_after_checkpoint(monkeypatch, at_step: int):
 def test_lora_svd_refresh_during_training_resumes_exactly(corpus_files, tmp_path, monkeypatch):
     """LoRA-SVD layers re-split every 3 optimizer steps; a run stopped right after its step-4 checkpoint (one
     refresh behind it, one ahead) and resumed ends with the uninterrupted run's losses."""
-    from hf_fp4 import convert
+    from hf_fp4.nn import lora_svd
 
     refreshed = []
-    real_refresh = convert.maybe_refresh_lora_svd
-    monkeypatch.setattr(trainer, "maybe_refresh_lora_svd",
+    real_refresh = lora_svd.maybe_refresh
+    monkeypatch.setattr(lora_svd, "maybe_refresh",
                         lambda model, step: refreshed.append(step) if real_refresh(model, step) else False)
     options = {"recipe": "nvfp4", "recipe_options": {"lora_svd_rank": 4, "lora_svd_refresh_every": 3},
                "eval_every": 100, "max_steps": 8}
@@ -378,7 +378,7 @@ def test_tensorboard_tracker_writes_events(corpus_files, tmp_path):
 
 
 def test_unreachable_hub_dataset_says_what_to_do(monkeypatch):
-    from hf_fp4 import data
+    from hf_fp4.train import data
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     with pytest.raises(RuntimeError, match="Offline, use dataset=builtin or dataset="):
@@ -418,7 +418,7 @@ def tiny_model(recipe="mxfp4"):
 
 
 def test_compile_model_compiles_each_decoder_block_and_picks_the_kernel_launch_for_the_mode():
-    from hf_fp4.compile import compiled_blocks
+    from hf_fp4.nn.compile import compiled_blocks
 
     model = tiny_model()
     assert hf_fp4.compile_model(model, backend="aot_eager") is model
@@ -534,7 +534,7 @@ def test_run_gemms_in_bf16_gives_the_unquantized_product():
     from torch import nn
 
     from hf_fp4 import FP4Linear, preset
-    from hf_fp4.convert import run_gemms_in_bf16
+    from hf_fp4.nn.swap import run_gemms_in_bf16
 
     model = nn.Sequential(FP4Linear.from_linear(nn.Linear(64, 32), preset("nvfp4").linear, name="0"))
     base = {"0": model[0].recipe}

@@ -9,7 +9,7 @@ import torch
 
 import hf_fp4
 from hf_fp4 import QuantSpec, fake_quantize, quant_error_stats, quantize
-from hf_fp4.quantize import unpack_codes
+from hf_fp4.numerics.quantize import unpack_codes
 from thresholds import (E1M2_GAIN_TOL, E2M1_GAIN_MAX, QUANT_SQNR_MIN_DB, SR_DRAWS, SR_GAIN_TOL, SR_MEAN_REL_TOL)
 
 
@@ -132,7 +132,7 @@ def test_stochastic_rounding_is_unbiased_with_truncation_free_scales(preset):
 
 def recipe_sr_specs():
     """The stochastic-rounding operand specs the preset recipes use (nvfp4, ufp4, tib)."""
-    from hf_fp4.recipe import PRESET_NAMES, preset
+    from hf_fp4.nn.recipe import PRESET_NAMES, preset
 
     found = {}
     for name in PRESET_NAMES:

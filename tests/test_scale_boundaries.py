@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hf_fp4 import QuantSpec, quantize
-from hf_fp4.formats import Grid, grid_emax, grid_max
+from hf_fp4.numerics.formats import Grid, grid_emax, grid_max
 
 GRIDS = [Grid.E2M1, Grid.E1M2, Grid.INT4, Grid.E4M3]
 EXPONENTS = [-20, -3, 0, 5, 30]
@@ -111,7 +111,7 @@ def test_ties_between_grid_points_go_to_the_even_code_in_both_backends(grid):
     """Every midpoint between neighbouring grid magnitudes, at unit scale, rounds to the even code."""
     spec = QuantSpec(grid=grid, block=(1, 32), scale="e8m0_ceil")
     qmax = grid_max(grid)
-    from hf_fp4.formats import decode, encode
+    from hf_fp4.numerics.formats import decode, encode
 
     table = decode(torch.arange(0, 127 if grid is Grid.E4M3 else 8, dtype=torch.uint8), grid).unique()
     table = table[torch.isfinite(table)]

@@ -1,12 +1,12 @@
-"""SharQ (hf_fp4.sharq): the 4:8 in-pairs mask against a brute force, the two operands against the quantizer
+"""SharQ (hf_fp4.nn.sharq): the 4:8 in-pairs mask against a brute force, the two operands against the quantizer
 applied by hand, the layer's product against float64, and the combinations it refuses."""
 import pytest
 import torch
 
 import hf_fp4
 from hf_fp4 import FP4Linear, QuantSpec, quantize
-from hf_fp4.recipe import preset
-from hf_fp4.sharq import pair_mask, sharq_operands
+from hf_fp4.nn.recipe import preset
+from hf_fp4.nn.sharq import pair_mask, sharq_operands
 
 
 def brute_mask(x):
@@ -142,8 +142,8 @@ def test_a_packed_sharq_export_reloads_and_runs_sharq(tmp_path):
     from tokenizers.models import WordLevel
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-    from hf_fp4.evaluation import post_training_quantize
-    from hf_fp4.export import export_fp4
+    from hf_fp4.release.evaluation import post_training_quantize
+    from hf_fp4.release.export import export_fp4
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_config())
@@ -171,7 +171,7 @@ def test_token_perplexity_scores_every_token_once():
     from tokenizers.models import WordLevel
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-    from hf_fp4.evaluation import token_perplexity
+    from hf_fp4.release.evaluation import token_perplexity
 
     words = [f"w{i}" for i in range(200)]
     wl = Tokenizer(WordLevel({w: i for i, w in enumerate(["[UNK]", "[EOS]"] + words)}, unk_token="[UNK]"))
@@ -198,7 +198,7 @@ def test_ptq_rows_quantize_what_their_names_say(weights_only, blocks):
     from tiny import tiny_config
     from transformers import AutoModelForCausalLM
 
-    from hf_fp4.evaluation import post_training_quantize
+    from hf_fp4.release.evaluation import post_training_quantize
 
     torch.manual_seed(0)
     model = post_training_quantize(AutoModelForCausalLM.from_config(tiny_config()), "nvfp4",

@@ -1,4 +1,4 @@
-"""scripts/study.py / hf_fp4.study: a study runs every run once, resumes what was interrupted, and its table
+"""scripts/study.py / hf_fp4.train.study: a study runs every run once, resumes what was interrupted, and its table
 is computed from the runs' own metrics."""
 import json
 import shutil
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hf_fp4.study import gap_table, load_study, run_study, summarize
+from hf_fp4.train.study import gap_table, load_study, run_study, summarize
 from test_pretrain import losses, records, tiny_cfg
 
 
@@ -99,7 +99,7 @@ CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 def test_every_shipped_config_validates(path, tmp_path):
     """The configs in the repository parse and validate as they are (a renamed option fails here, not on a
     GPU machine an hour into a study)."""
-    from hf_fp4.train_config import load_config
+    from hf_fp4.train.config import load_config
 
     if path.parent.name == "study":
         assert load_study(path, tmp_path).runs

@@ -1,0 +1,270 @@
+"""FP4 attention (Full-Stack FP4): Q, K, V and the backward's dS quantized, P V and dO V^T in BF16.
+
+The reference here is the spec (explicit S, P, dP, dS, in FP32):
+
+    forward    Q^, K^, V^ = Q(q), Q(k), Q(v)       blocks along head_dim (S = Q^ K^T contracts it)
+               S = Q^ K^T * scale, masked;  P = softmax(S)   (a fully masked row gives P = 0)
+               O = bf16(P) V^                     "P V in BF16": P rounded to BF16, V^ exact
+    backward   dV = bf16(P)^T dO;  dP = dO V^^T   "dO V^T in BF16": dO as it arrives, the forward's V^
+               D = rowsum(dO * O);  dS = P * (dP - D)
+               dQ = Q_keys(dS) K^ * scale          dS quantized along each GEMM's contraction: along
+               dK = Q_queries(dS)^T Q^ * scale     keys for dQ, along queries for dK (a 2D spec -- square
+                                                   tiles -- is quantized once and serves both)
+
+The forward's Q^, K^, V^ serve the backward too ("unified tensor reuse": saved, not re-quantized); the
+quantizers are straight-through.  Every format is a QuantSpec of an `AttentionRecipe`
+({q, k, v, ds}, `none` keeps a tensor in high precision); with every spec `none` this is SDPA.
+
+`attention_forward` is registered with Transformers' attention interface as attn_implementation="hf_fp4"
+(causal, GQA, padding masks, sliding windows: it takes the boolean masks Transformers builds for SDPA), and
+`FP4TrainConfig(..., attention="nvfp4")` switches a model to it.  Stochastic-rounding specs draw their
+Philox seeds from a per-module call counter.  The Triton flash kernels (`backend="triton"`, or
+`config.hf_fp4_attention_backend = "triton"`; hf_fp4.kernels.attention) compute the same without
+materialising S, P or dS: within the BF16 rounding of P and FP32 arithmetic of this reference, with dS
+quantized in registers exactly as quantize_rows would quantize the kernel's own dS.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..numerics.quantize import fake_quantize, quantize
+from ..numerics.scales import ScaleRule
+from ..numerics.spec import QuantSpec, as_spec
+
+TENSORS = ("q", "k", "v", "ds")
+IMPLEMENTATION = "hf_fp4"
+
+
+@dataclass(frozen=True)
+class AttentionRecipe:
+    """QuantSpec (or None: high precision) of each attention tensor."""
+
+    q: QuantSpec | None = None
+    k: QuantSpec | None = None
+    v: QuantSpec | None = None
+    ds: QuantSpec | None = None
+
+    @classmethod
+    def build(cls, value: "str | dict | AttentionRecipe | None") -> "AttentionRecipe":
+        """A preset name for all four tensors ("nvfp4"), a mapping {q, k, v, ds} of preset names / spec dicts /
+        "none", or an AttentionRecipe."""
+        if isinstance(value, AttentionRecipe):
+            return value
+        if value is None or value == "none":
+            return cls()
+        if isinstance(value, str):
+            value = dict.fromkeys(TENSORS, value)
+        if not isinstance(value, dict):
+            raise TypeError(f"attention: expected a preset name or a mapping of {', '.join(TENSORS)}, "
+                            f"got {type(value).__name__}")
+        unknown = sorted(set(value) - set(TENSORS))
+        if unknown:
+            raise ValueError(f"attention: unknown tensor(s) {unknown}; valid: {', '.join(TENSORS)}")
+        specs = {}
+        for name, spec in value.items():
+            if spec is None or spec == "none":
+                specs[name] = None
+            elif isinstance(spec, dict):
+                specs[name] = QuantSpec.from_dict(spec)
+            elif isinstance(spec, str) and spec not in QuantSpec.presets():
+                raise ValueError(f"attention.{name}: unknown format {spec!r}; valid: none, "
+                                 f"{', '.join(QuantSpec.presets())}")
+            else:
+                specs[name] = as_spec(spec)
+        return cls(**specs)
+
+    def specs(self) -> dict[str, QuantSpec | None]:
+        return {t: getattr(self, t) for t in TENSORS}
+
+    @property
+    def quantized(self) -> bool:
+        return any(s is not None for s in self.specs().values())
+
+    @property
+    def stochastic(self) -> bool:
+        return any(s is not None and s.rounding.value == "stochastic" for s in self.specs().values())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {t: s.to_dict() if s is not None else "none" for t, s in self.specs().items()}
+
+
+def quantize_rows(x: torch.Tensor, spec: QuantSpec | None, seed: int) -> torch.Tensor:
+    """x [..., R, C] quantized with blocks along C and dequantized, in FP32 (x itself in FP32 for None).
+    A 2D block never spans two of the leading matrices: R is zero-padded to the block height first."""
+    x = x.float()
+    if spec is None:
+        return x
+    rows, pad = x.shape[-2], -x.shape[-2] % spec.block[0]
+    if pad:
+        x = torch.nn.functional.pad(x, (0, 0, 0, pad))
+    seeded = {"seed": seed} if spec.rounding.value == "stochastic" else {}
+    out = fake_quantize(x.reshape(-1, x.shape[-1]), spec, **seeded)
+    return out.reshape(x.shape)[..., :rows, :]
+
+
+def tensor_core_operand(x: torch.Tensor, spec: QuantSpec | None, seed: int
+                        ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(values in BF16, FP32 tensor decode scale) with values * decode == quantize_rows(x, spec, seed) bit for
+    bit -- code x block scale has at most 8 significant bits -- or None where the values are not BF16-exact
+    (FP32 block scales; an unquantized x that is not BF16)."""
+    one = torch.ones((), dtype=torch.float32, device=x.device)
+    if spec is None:
+        return (x, one) if x.dtype == torch.bfloat16 else None
+    if spec.scale is ScaleRule.FP32:
+        return None
+    rows, pad = x.shape[-2], -x.shape[-2] % spec.block[0]
+    y = torch.nn.functional.pad(x.float(), (0, 0, 0, pad)) if pad else x.float()
+    seeded = {"seed": seed} if spec.rounding.value == "stochastic" else {}
+    values, decode = quantize(y.reshape(-1, y.shape[-1]), spec, **seeded).tensor_core_parts()
+    return values.reshape(y.shape)[..., :rows, :], decode
+
+
+def _ds_operands(ds: torch.Tensor, spec: QuantSpec | None, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """dS for dQ (blocks along keys) and for dK (blocks along queries); one quantization when the spec's
+    tiles are square (transposition-invariant)."""
+    along_keys = quantize_rows(ds, spec, seed)
+    if spec is None or spec.block[0] == spec.block[1]:
+        return along_keys, along_keys
+    return along_keys, quantize_rows(ds.transpose(-1, -2), spec, seed + 1).transpose(-1, -2)
+
+
+def _probabilities(qh, kh, scale, keep):
+    s = (qh @ kh.transpose(-1, -2)) * scale
+    if keep is not None:
+        s = s.masked_fill(~keep, float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    return torch.nan_to_num(p, nan=0.0) if keep is not None else p  # a fully masked row: P = 0
+
+
+class FP4AttentionFunction(torch.autograd.Function):
+    """q [B, H, Tq, D], k / v [B, H, Tk, D] (GQA already expanded), keep: bool [B or 1, H or 1, Tq, Tk] or
+    None.  Returns O [B, H, Tq, D] in q's dtype."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, keep, scale: float, recipe: AttentionRecipe, seed: int, backend: str = "reference"):
+        args = [(t, getattr(recipe, n), seed + i) for i, (t, n) in enumerate(((q, "q"), (k, "k"), (v, "v")))]
+        # the flash kernels take exact BF16 values and tensor decodes; their product is the reference's values
+        ops = [tensor_core_operand(*a) for a in args] if backend == "triton" else [None] * 3
+        qh, kh, vh = (o[0].float() * o[1] if o is not None else quantize_rows(*a) for o, a in zip(ops, args))
+        decodes = None
+        if backend == "triton":  # the flash kernel: P never materialised (hf_fp4.kernels.attention)
+            from ..kernels.attention import flash_forward
+            if all(o is not None for o in ops):  # exact BF16 values: the tensor cores (saved as such)
+                decodes = torch.stack([o[1] for o in ops])
+                qh, kh, vh = (o[0] for o in ops)
+            out = flash_forward(qh, kh, vh, keep, scale, decodes).to(q.dtype)
+        else:
+            p = _probabilities(qh, kh, scale, keep)
+            out = (p.to(torch.bfloat16).float() @ vh).to(q.dtype)
+        ctx.save_for_backward(qh, kh, vh, out, keep, decodes)
+        ctx.scale, ctx.recipe, ctx.seed, ctx.dtypes = scale, recipe, seed, (q.dtype, k.dtype, v.dtype)
+        ctx.backend = backend
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        qh, kh, vh, out, keep, decodes = ctx.saved_tensors
+        q_dtype, k_dtype, v_dtype = ctx.dtypes
+        if ctx.backend == "triton":  # the flash backward: dS quantized in registers (hf_fp4.kernels.attention)
+            from ..kernels.attention import flash_backward
+            dq, dk, dv = flash_backward(qh, kh, vh, out, d_out, keep, ctx.scale, ctx.recipe.ds, ctx.seed + 3,
+                                        decodes)
+            return dq.to(q_dtype), dk.to(k_dtype), dv.to(v_dtype), None, None, None, None, None
+        p = _probabilities(qh, kh, ctx.scale, keep)  # recomputed from the saved quantized Q^, K^
+        d_out = d_out.float()
+        dv = p.to(torch.bfloat16).float().transpose(-1, -2) @ d_out
+        dp = d_out @ vh.transpose(-1, -2)
+        ds = p * (dp - (d_out * out.float()).sum(dim=-1, keepdim=True))
+        ds_keys, ds_queries = _ds_operands(ds, ctx.recipe.ds, ctx.seed + 3)
+        dq = (ds_keys @ kh) * ctx.scale
+        dk = (ds_queries.transpose(-1, -2) @ qh) * ctx.scale
+        return dq.to(q_dtype), dk.to(k_dtype), dv.to(v_dtype), None, None, None, None, None
+
+
+def fp4_attention(q, k, v, keep=None, scale: float | None = None, recipe: "AttentionRecipe | str | dict" = "nvfp4",
+                  seed: int = 0, backend: str = "reference") -> torch.Tensor:
+    """FP4 attention of q [B, H, Tq, D] and k, v [B, Hkv, Tk, D] (Hkv divides H); keep: a boolean mask
+    (True: attend) broadcastable to [B, H, Tq, Tk], or None (no mask).  backend "triton": the flash kernels
+    (hf_fp4.kernels.attention; equal to the reference within the BF16 rounding of P and FP32 arithmetic)."""
+    if backend not in ("reference", "triton"):
+        raise ValueError(f"fp4_attention: unknown backend {backend!r}; valid: reference, triton")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"fp4_attention: {q.shape[1]} query heads are not a multiple of {k.shape[1]} key heads")
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return FP4AttentionFunction.apply(q, k, v, keep, float(scale), AttentionRecipe.build(recipe), int(seed), backend)
+
+
+# The reference runs eagerly inside a compiled block (one graph break per attention call): traced, its
+# quantizers' non-finite checks would break the graph several times over.
+_fp4_attention_outside_compile = torch.compiler.disable(fp4_attention)
+
+
+def _keep_mask(attention_mask, q_len: int, kv_len: int, causal: bool, device) -> torch.Tensor | None:
+    """Transformers' SDPA-style mask (bool True = attend, or additive float) as a boolean keep mask."""
+    if attention_mask is not None:
+        if attention_mask.dtype == torch.bool:
+            return attention_mask[..., :kv_len]
+        return attention_mask[..., :kv_len] > torch.finfo(attention_mask.dtype).min / 2
+    if causal:
+        return torch.ones(q_len, kv_len, dtype=torch.bool, device=device).tril()
+    return None
+
+
+def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                      is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """Transformers' attention-function signature (as `sdpa_attention_forward`): returns ([B, Tq, H, D], None).
+    The recipe is `module.config.hf_fp4_attention` (set by FP4TrainConfig(attention=...)), else NVFP4 for all
+    four tensors."""
+    if kwargs.get("softcap") is not None:
+        raise ValueError("attn_implementation='hf_fp4' does not support softcap; use 'eager'")
+    if dropout and module.training:
+        raise ValueError(f"attn_implementation='hf_fp4' has no attention dropout (got {dropout}); set the "
+                         "model's attention_dropout to 0")
+    config = getattr(module, "config", None)
+    recipe = AttentionRecipe.build(getattr(config, "hf_fp4_attention", None) or "nvfp4")
+    q_len, kv_len = query.shape[2], key.shape[2]
+    causal = q_len > 1 and attention_mask is None and (
+        is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    if causal and kv_len > q_len:  # as Transformers' SDPA path: causal without a mask aligns to the start
+        key, value, kv_len = key[:, :, :q_len], value[:, :, :q_len], q_len
+    seed = 0
+    if recipe.stochastic:  # a fresh Philox stream per call
+        seed = getattr(module, "_hf_fp4_attention_calls", 0)
+        module._hf_fp4_attention_calls = seed + 4
+    keep = _keep_mask(attention_mask, q_len, kv_len, causal, query.device)
+    backend = getattr(config, "hf_fp4_attention_backend", "reference")
+    out = _fp4_attention_outside_compile(query, key, value, keep, scaling, recipe, seed, backend)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register() -> None:
+    """attn_implementation="hf_fp4" for every Transformers model that supports SDPA (its masks too)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register(IMPLEMENTATION, attention_forward)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(IMPLEMENTATION, sdpa_mask)
+
+
+def enable(model: torch.nn.Module, recipe: "AttentionRecipe | str | dict") -> None:
+    """Switch `model` to FP4 attention with `recipe` (stored in its config, so it saves and reloads)."""
+    recipe = AttentionRecipe.build(recipe)
+    model.config.hf_fp4_attention = recipe.to_dict()
+    for config in (getattr(model.config, "get_text_config", lambda: None)(),):
+        if config is not None and config is not model.config:
+            config.hf_fp4_attention = recipe.to_dict()
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(IMPLEMENTATION)
+    else:
+        model.config._attn_implementation = IMPLEMENTATION
+
+
+__all__ = ["AttentionRecipe", "FP4AttentionFunction", "fp4_attention", "attention_forward", "register", "enable",
+           "quantize_rows"]

@@ -1,0 +1,288 @@
+"""FP4 expert GEMMs for Transformers' mixture-of-experts layers (issue 16): the reference path.
+
+Transformers 5 keeps a MoE layer's experts as 3D parameters -- `gate_up_proj` [E, 2I, H] (or `up_proj`
+[E, I, H] without a gate) and `down_proj` [E, H, I], transposed in some models -- in a class decorated with
+`use_experts_implementation`, whose forward is looked up in `ExpertsInterface` by
+`config._experts_implementation`.  `convert_experts(model, recipe)` gives every such module the recipe's
+rules select an `ExpertsFP4` state and sets the implementation to "hf_fp4" (registered on import):
+
+    per expert e, on the tokens routed to it:  h = act(Q(x_e) Q(W_up[e])^T),  y_e = Q(h) Q(W_down[e])^T
+
+each projection through `FP4LinearFunction` -- the recipe's three GEMMs, with per-GEMM operand specs,
+Hadamard and SR -- on a view of the expert's weight slice, so block and tensor scales are per expert and the
+gradients land in the 3D parameters.  Every (expert, projection) has its own SR / Hadamard seeds, as a
+separate nn.Linear would.  The router is a module of its own (an nn.Linear, or a router holding a weight
+Parameter) and is left to the linear swap's rules: Transformers' routers are not nn.Linear, so they stay
+in high precision.  The loop over experts reads the routing counts on the host; on CUDA each expert's GEMMs
+run on the fast path of FP4Linear (Triton operand kernels, exact FP8 / BF16 GEMMs), one expert at a time --
+grouped GEMMs are still to come.
+"""
+from __future__ import annotations
+
+import functools
+import types
+
+import torch
+
+from . import linear as _linear
+from .autograd import FP4LinearFunction, output_dtype
+from .linear import FP4Linear, _crc, _notify, hadamard_signs, seed_bases
+from ..numerics.formats import ELEMENT_BITS
+from .operands import BACKENDS, LinearPlan
+from .packing import packed_shapes, stored_scales
+from ..numerics.qtensor import QuantizedTensor
+from ..numerics.philox import STEP_MIX
+from .recipe import GEMMS, HadamardKind, LinearRecipe, Recipe
+
+IMPLEMENTATION = "hf_fp4"
+PROJECTIONS = ("gate_up_proj", "up_proj", "down_proj")
+
+
+class ExpertsFP4:
+    """The recipe state of one experts module: plans, per-(projection, expert) seed bases, one step counter."""
+
+    def __init__(self, recipe: LinearRecipe, name: str, seed: int, num_experts: int, projections: tuple[str, ...]):
+        self.recipe, self.name, self.seed = recipe, name, seed
+        self.backend = "auto"  # as FP4Linear's: the Triton operand kernels and exact GEMMs on CUDA, per expert
+        self.packed_rows: dict[str, int] = {}  # while a packed export loads: each projection's output rows
+        self.freeze(False)
+        self.projections = projections
+        self._bases = torch.tensor([[seed_bases(seed, f"{name}.{p}.{e}") for e in range(num_experts)]
+                                    for p in projections], dtype=torch.int64, device="cpu")  # [P, E, 6]
+        self._rht_base = _crc(seed, name, "rht")
+        # on the CPU even under a meta-device context (from_pretrained); moved to the input's device at first use
+        self.step = torch.zeros((), dtype=torch.int64, device="cpu")
+
+    def freeze(self, frozen: bool) -> None:
+        """frozen: a packed export's 3D weights hold each expert's stored fprop operand (inference)."""
+        self.frozen = frozen
+        self.plans = {b: LinearPlan.build(self.recipe, b, frozen) for b in ("reference", "triton")}
+
+    def plan(self, t: torch.Tensor) -> LinearPlan:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"ExpertsFP4.backend={self.backend!r}; valid: {', '.join(BACKENDS)}")
+        backend = ("triton" if t.is_cuda else "reference") if self.backend == "auto" else self.backend
+        return self.plans[backend]
+
+    @property
+    def sr_calls(self) -> int:
+        return int(self.step)
+
+    @sr_calls.setter
+    def sr_calls(self, value: int) -> None:
+        self.step.fill_(int(value))
+
+    def signs(self, step: torch.Tensor) -> tuple:
+        """Each GEMM's Hadamard sign vector (or None) on the step counter's device."""
+        out = []
+        for g in GEMMS:
+            s = None
+            if self.recipe.gemm(g).hadamard.kind is not HadamardKind.NONE:
+                s = hadamard_signs(self.recipe, g, self.seed, self._rht_base, step)
+            out.append(s.to(step.device) if s is not None else None)
+        return tuple(out)
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, seeds: torch.Tensor,
+               signs: tuple, training: bool, label: str) -> torch.Tensor:
+        """x [T, K] @ weight [N, K]^T (+ bias) through the recipe's three GEMMs; `label` names the expert's
+        projection for the operand observers (hf_fp4.nn.diagnostics: statistics per expert)."""
+        need = (training and x.requires_grad, training and weight.requires_grad)
+        out_dtype = output_dtype(x)
+        x_in = x.to(out_dtype) if out_dtype != x.dtype and torch.is_autocast_enabled(x.device.type) else x
+        observer = None
+        if _linear._OBSERVERS:
+            view = types.SimpleNamespace(layer_name=f"{self.name}.{label}", recipe=self.recipe, weight=weight)
+            observer = functools.partial(_notify, view)
+        return FP4LinearFunction.apply(x_in, weight, bias, seeds, signs, self.plan(x), need, out_dtype, observer)
+
+
+def fp4_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                        top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The "hf_fp4" experts implementation (the signature of Transformers' experts forwards)."""
+    state: ExpertsFP4 = self.hf_fp4
+    if state.step.device != hidden_states.device:
+        state.step = state.step.to(hidden_states.device)
+        state._bases = state._bases.to(hidden_states.device)
+    training = torch.is_grad_enabled()
+    step = state.step
+    seeds = state._bases + step * STEP_MIX
+    signs = state.signs(step)
+    if training:
+        step.add_(1)
+    up_name = "gate_up_proj" if self.has_gate else "up_proj"
+    p_up, p_down = state.projections.index(up_name), state.projections.index("down_proj")
+    num_experts = seeds.shape[1]
+    k = top_k_index.shape[-1]
+    flat = top_k_index.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts).tolist()  # the host reads the routing (reference path)
+    route_weights = top_k_weights.reshape(-1)
+    out = torch.zeros(hidden_states.shape, dtype=torch.float32, device=hidden_states.device)
+    start = 0
+    for e, count in enumerate(counts[:num_experts]):  # ids >= num_experts (expert-parallel sentinels) skipped
+        if count == 0:
+            continue
+        pairs = order[start:start + count]
+        start += count
+        tokens = pairs // k
+        w_up, w_down = getattr(self, up_name)[e], self.down_proj[e]
+        if self.is_transposed:
+            w_up, w_down = w_up.t(), w_down.t()
+        bias_up = getattr(self, f"{up_name}_bias")[e] if self.has_bias else None
+        bias_down = self.down_proj_bias[e] if self.has_bias else None
+        h = state.linear(hidden_states[tokens], w_up, bias_up, seeds[p_up, e], signs, training, f"{up_name}.{e}")
+        h = self._apply_gate(h) if self.has_gate else self.act_fn(h)
+        y = state.linear(h, w_down, bias_down, seeds[p_down, e], signs, training, f"down_proj.{e}")
+        if getattr(self, "has_post_expert_norm", False):
+            y = self.post_expert_norm(y)
+        out.index_add_(0, tokens, y.float() * route_weights[pairs, None].float())
+    return out.to(hidden_states.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def register() -> None:
+    """Make "hf_fp4" a valid experts implementation (Transformers >= 5 with ExpertsInterface)."""
+    from transformers.integrations.moe import ExpertsInterface
+    ExpertsInterface.register(IMPLEMENTATION, fp4_experts_forward)
+
+
+def experts_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """The modules whose forward Transformers dispatches through ExpertsInterface (3D expert weights)."""
+    def is_experts(m):
+        if not (hasattr(m, "is_transposed") and hasattr(m, "has_gate")):
+            return False
+        w = getattr(m, "down_proj", None)
+        return isinstance(m.__dict__.get("hf_fp4"), ExpertsFP4) or (isinstance(w, torch.nn.Parameter) and w.dim() == 3)
+
+    return {name: m for name, m in model.named_modules() if is_experts(m)}
+
+
+def check_experts(name: str, module: torch.nn.Module, recipe: LinearRecipe) -> None:
+    """Reject what the expert GEMMs cannot do, at conversion time."""
+    if recipe.lora_svd_rank:
+        raise ValueError(f"{name}: LoRA-SVD is not implemented for 3D expert weights yet; skip the experts "
+                         "(rules.skip: ['*experts*']) or set lora_svd_rank=0")
+    if recipe.activation_scheme != "plain":
+        raise ValueError(f"{name}: activation_scheme={recipe.activation_scheme!r} is not implemented for experts")
+    for proj in PROJECTIONS:
+        w = getattr(module, proj, None)
+        if not isinstance(w, torch.nn.Parameter):
+            continue
+        n, k = (w.shape[2], w.shape[1]) if module.is_transposed else (w.shape[1], w.shape[2])
+        for spec in recipe.operand_specs():
+            if spec.is_2d and min(n, k) < spec.block[0]:
+                raise ValueError(f"{name}.{proj}: expert weight {n}x{k} is smaller than a "
+                                 f"{spec.block[0]}x{spec.block[1]} tile; use 1D blocks for the experts")
+        for gemm_name, dim in (("fprop", k), ("dgrad", n)):
+            h = recipe.gemm(gemm_name).hadamard
+            if h.enabled and dim < h.size:
+                raise ValueError(f"{name}.{proj}: {gemm_name} contracts over {dim} < Hadamard size {h.size}")
+
+
+def convert_experts(model: torch.nn.Module, recipe: Recipe, num_blocks: int | None) -> int:
+    """Give every experts module the recipe's rules select an ExpertsFP4 state and switch the model's
+    experts implementation to "hf_fp4"; returns how many were converted."""
+    modules = experts_modules(model)
+    recipes = {name: recipe.recipe_for(name, num_blocks) for name in modules}
+    if not any(r is not None and r.quantized for r in recipes.values()):
+        return 0
+    for name, module in modules.items():
+        if recipes[name] is not None:
+            check_experts(name, module, recipes[name])
+    register()
+    for name, module in modules.items():
+        # Transformers selects one experts implementation per model: experts the rules keep in high
+        # precision run it too, with the unquantized recipe (exactly F.linear per expert)
+        linear_recipe = recipes[name] if recipes[name] is not None else LinearRecipe()
+        projections = tuple(p for p in PROJECTIONS if isinstance(getattr(module, p, None), torch.nn.Parameter))
+        module.hf_fp4 = ExpertsFP4(linear_recipe, name, recipe.seed, module.down_proj.shape[0], projections)
+    model.config._experts_implementation = IMPLEMENTATION
+    return sum(r is not None and r.quantized for r in recipes.values())
+
+
+def expert_linear(module: torch.nn.Module, proj: str, e: int) -> FP4Linear:
+    """Expert e's projection `proj` as an FP4Linear of the same recipe, name and seed (a copy of its weight
+    slice, [out, in]): the weight views of FP4Linear (dequantized_weight, ...) for one expert."""
+    state: ExpertsFP4 = module.hf_fp4
+    w = getattr(module, proj)[e].detach()
+    w = w.t() if module.is_transposed else w
+    lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+    return FP4Linear.from_linear(lin, state.recipe, name=f"{state.name}.{proj}.{e}", seed=state.seed)
+
+
+def dequantized_experts_weight(module: torch.nn.Module, proj: str) -> torch.Tensor:
+    """The 3D weight (in the module's layout) that Transformers' plain experts need for the same products
+    as the FP4 fprop: every expert's Q(W R) R^T, in FP32."""
+    ws = [expert_linear(module, proj, e).dequantized_weight() for e in range(getattr(module, proj).shape[0])]
+    out = torch.stack(ws)
+    return out.transpose(1, 2) if module.is_transposed else out
+
+
+# Packed FP4 export (hf_fp4.release.export "fp4"): per projection, every expert's fprop weight operand Q(W R) stacked
+# along a leading expert dimension: `<proj>_packed` (codes), `<proj>_scale` (block scales as stored),
+# `<proj>_tensor_scale` ([E], two-level formats).  Loading makes them a frozen 3D weight again.
+def _expert_shapes(module: torch.nn.Module, proj: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    w = getattr(module, proj)
+    n, k = (w.shape[2], w.shape[1]) if module.is_transposed else (w.shape[1], w.shape[2])
+    shell = types.SimpleNamespace(recipe=module.hf_fp4.recipe, out_features=n, in_features=k)
+    return {f"{proj}{key.removeprefix('weight')}": ((w.shape[0], *shape), dtype)
+            for key, (shape, dtype) in packed_shapes(shell).items()}
+
+
+def packed_experts(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The packed tensors of one experts module (keys relative to the module)."""
+    out = {}
+    for proj in module.hf_fp4.projections:
+        qs = [expert_linear(module, proj, e).quantized_fprop_weight() for e in range(getattr(module, proj).shape[0])]
+        out[f"{proj}_packed"] = torch.stack([q.codes for q in qs]).cpu()
+        out[f"{proj}_scale"] = torch.stack([q.scales.view(torch.uint8) if q.scales.dtype != torch.float32
+                                            else q.scales for q in qs]).cpu()
+        if qs[0].tensor_scale is not None:
+            out[f"{proj}_tensor_scale"] = torch.stack([q.tensor_scale.reshape(1) for q in qs]).cpu()
+    return out
+
+
+def expect_packed_experts(module: torch.nn.Module) -> None:
+    """Before loading a packed export: buffers of the stored shapes replace the 3D weights."""
+    for proj in module.hf_fp4.projections:
+        w = getattr(module, proj)
+        device = w.device
+        shapes = _expert_shapes(module, proj)
+        module.hf_fp4.packed_rows[proj] = w.shape[2] if module.is_transposed else w.shape[1]
+        del module._parameters[proj]
+        for key, (shape, dtype) in shapes.items():
+            module.register_buffer(key, torch.empty(shape, dtype=dtype, device=device))
+        # Transformers' _init_weights reads the 3D weight by name while loading: an empty, already-initialised
+        # stand-in (a plain attribute, not in the state dict) until unpack_experts puts the weight back
+        stand_in = torch.empty(0, device=device)
+        stand_in._is_hf_initialized = True
+        setattr(module, proj, stand_in)
+
+
+def unpack_experts(module: torch.nn.Module) -> None:
+    """After loading: each expert's stored operand, dequantized, becomes a frozen 3D weight (inference)."""
+    state: ExpertsFP4 = module.hf_fp4
+    spec = state.recipe.fprop.rhs
+    for proj in state.projections:
+        if f"{proj}_packed" not in module._buffers:
+            continue
+        codes, scales = module._buffers.pop(f"{proj}_packed"), module._buffers.pop(f"{proj}_scale")
+        tensor_scales = module._buffers.pop(f"{proj}_tensor_scale", None)
+        weights = []
+        for e in range(codes.shape[0]):
+            n = state.packed_rows[proj]
+            k = codes.shape[2] * (2 if ELEMENT_BITS[spec.grid] == 4 else 1)
+            tensor_scale = tensor_scales[e].reshape(()) if tensor_scales is not None else None
+            q = QuantizedTensor(codes[e], stored_scales(scales[e], spec), tensor_scale, torch.Size((n, k)), spec)
+            weights.append(q.dequantize())
+        w = torch.stack(weights)
+        module.__dict__.pop(proj, None)  # the loading stand-in
+        module.register_parameter(proj, torch.nn.Parameter(w.transpose(1, 2) if module.is_transposed else w,
+                                                           requires_grad=False))
+    state.freeze(True)
+
+
+def experts_states(model: torch.nn.Module) -> dict[str, ExpertsFP4]:
+    return {name: m.hf_fp4 for name, m in experts_modules(model).items() if hasattr(m, "hf_fp4")}

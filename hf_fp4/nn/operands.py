@@ -1,0 +1,269 @@
+"""The operand layer: tensor + QuantSpec + Hadamard -> GEMM operand, and the GEMM of two operands.
+
+A linear layer's three tensors each feed two GEMMs, in two orientations (RESEARCH.md):
+
+    x  [T, K]:  fprop lhs (blocks along K)   and  wgrad rhs x^T (blocks along T)
+    W  [N, K]:  fprop rhs (blocks along K)   and  dgrad rhs W^T (blocks along N)
+    dy [T, N]:  dgrad lhs (blocks along N)   and  wgrad lhs dy^T (blocks along T)
+
+`LinearPlan.build(recipe, backend)` turns a LinearRecipe into an `OperandPlan` per orientation and a
+*form* per GEMM, decided from the recipe alone (never from the data):
+
+* ``hp``   -- the GEMM is not quantized: the tensors as they are (bf16 path, exactly nn.Linear);
+* ``fp32`` -- the reference backend: operands are `hf_fp4.fake_quantize` values in FP32 (any device);
+* ``fp8``  -- both operands have power-of-two (E8M0) scales on a 4-bit grid: folded into E4M3, run on
+  FP8 tensor cores, exact (hf_fp4.kernels.operand / gemm);
+* ``bf16`` -- every other quantized GEMM on the fast path: v * block scale in BF16 (exact), FP32
+  accumulation, the FP32 tensor scales applied to the output.
+
+`operands(t, plans, seeds, signs, mu)` produces both orientations of t in one call (the Triton kernels
+read t once for the statistics and once for both operands) and `gemm(a, b, form, ...)` multiplies two
+operands.  Both are `torch.library` ops (on CUDA `triton_op`s, whose kernels torch.compile launches from its own
+generated code), so torch.compile traces FP4Linear without graph breaks.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..numerics.hadamard import apply_hadamard
+from ..numerics.operand_plan import (FORMS, KERNEL_FORMS, Operand, OperandPlan, empty_operand,  # noqa: F401
+                           fp8_capable, fp8_dmax, fp8_shift, round_up)
+from ..numerics.quantize import quantize
+from .recipe import GemmSpec, LinearRecipe
+from ..numerics.scales import ScaleRule
+
+BACKENDS = ("auto", "reference", "triton")
+#: CUDA launches through triton_ops (torch.compile traces into them and launches the kernels from its own code);
+#: HF_FP4_TRITON_OPS=0 keeps the opaque custom ops on CUDA too (a Python call per op, inputs never copied);
+#: a LinearPlan with triton_ops=False (FP4Linear.cuda_graphs) does the same for one layer.
+TRITON_OPS = os.environ.get("HF_FP4_TRITON_OPS", "1") != "0"
+
+
+def reference_operand(t: torch.Tensor, plan: OperandPlan, seed, signs: torch.Tensor | None) -> Operand:
+    """The reference operand of an already oriented [rows, k] tensor: fake-quantized FP32 values."""
+    x = t.float()
+    if plan.hadamard:
+        x = apply_hadamard(x, plan.hadamard, signs)
+    if plan.spec is not None:
+        x = quantize(x, plan.spec, seed=seed).dequantize()
+    elif x.untyped_storage().data_ptr() == t.untyped_storage().data_ptr():
+        x = x.clone()  # a custom op's outputs may not alias its inputs
+    return Operand(x, torch.ones(1, device=t.device), *(torch.empty(0, device=t.device) for _ in range(3)))
+
+
+def operand_values(op: Operand, plan: OperandPlan, rows: int, k: int) -> torch.Tensor:
+    """The real FP32 values an operand stands for, [rows, k'] (tests and diagnostics; not the hot path)."""
+    if plan.form in ("fp32", "hp"):
+        return op.data.float()
+    width = k + (-k % plan.hadamard if plan.hadamard else 0)
+    if plan.form == "bf16":
+        return (op.data.float() * op.scale)[:rows, :width]
+    values = op.data.float() * op.scale[:, None]
+    lost = (op.eb != -128).repeat_interleave(plan.spec.block[1], 1)
+    side = op.side.float() * torch.exp2(op.eb.float() - fp8_shift(plan.spec.grid)).repeat_interleave(
+        plan.spec.block[1], 1)
+    return torch.where(lost, side, values)[:rows, :width]
+
+
+# ----------------------------------------------------------------------------------------------
+# Custom ops: the operand pair of one tensor, and the FP8 GEMM.
+@functools.lru_cache(maxsize=None)
+def _plans(key: str) -> tuple[OperandPlan | None, OperandPlan | None]:
+    return tuple(OperandPlan.from_dict(d) if d else None for d in json.loads(key))
+
+
+def plans_key(plans: tuple[OperandPlan | None, OperandPlan | None]) -> str:
+    return json.dumps([p.to_dict() if p else None for p in plans])
+
+
+def _operands_impl(t, mu, seeds, signs_a, signs_b, key):
+    plans = _plans(key)
+    signs = (signs_a, signs_b)
+    fast = tuple(p if p is not None and p.form in KERNEL_FORMS else None for p in plans)
+    out: list = [None, None]
+    if any(fast):
+        from ..kernels.operand import triton_operands
+
+        out = triton_operands(t, fast, seeds, tuple(s if f else None for s, f in zip(signs, fast)), mu)
+    if any(p is not None and f is None for p, f in zip(plans, fast)):
+        t = t.reshape(-1, t.shape[-1])
+        centred = t.float() - mu if mu is not None else t
+        seed_values = seeds.tolist()
+        for i, (plan, f) in enumerate(zip(plans, fast)):
+            if plan is not None and f is None:
+                out[i] = reference_operand(centred if i == 0 else centred.t(), plan, seed_values[i], signs[i])
+    result = []
+    for op in out:
+        result += list(op) if op is not None else [torch.empty(0, device=t.device) for _ in range(5)]
+    return result
+
+
+def _operands_fake(t, mu, seeds, signs_a, signs_b, key):
+    result = []
+    rows, cols = t.numel() // t.shape[-1], t.shape[-1]
+    for plan, (rows, k) in zip(_plans(key), ((rows, cols), (cols, rows))):
+        if plan is None:
+            result += [t.new_empty(0, dtype=torch.float32) for _ in range(5)]
+        else:
+            result += list(empty_operand(plan, rows, k, t.device, t.dtype))
+    return result
+
+
+def _operands_kernels(t: torch.Tensor, mu: Optional[torch.Tensor], seeds: torch.Tensor,
+                      signs_a: Optional[torch.Tensor], signs_b: Optional[torch.Tensor], key: str) -> list[torch.Tensor]:
+    return _operands_impl(t, mu, seeds, signs_a, signs_b, key)
+
+
+# Two registrations of one implementation.  "operands" is opaque to torch.compile (any device, any form:
+# the reference path reads the seeds on the host; on the CPU the kernels run in Triton's interpreter).
+# "operands_cuda" (CUDA tensors, kernel forms only) is a triton_op: torch.compile traces into it and
+# launches its kernels from the generated code, without a Python call per operand pair.
+_operands_op = torch.library.custom_op("hf_fp4::operands", _operands_kernels, mutates_args=())
+_operands_op.register_fake(_operands_fake)
+_operands_cuda_op = torch.library.triton_op("hf_fp4::operands_cuda", _operands_kernels, mutates_args=())
+
+
+def quantized_pair(plans) -> tuple[OperandPlan | None, OperandPlan | None]:
+    """The orientations the custom op makes (the unquantized ones are views of the tensor)."""
+    return tuple(p if p is not None and p.form != "hp" else None for p in plans)
+
+
+def operands(t: torch.Tensor, plans: tuple[OperandPlan | None, OperandPlan | None], seeds: torch.Tensor,
+             signs: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
+             mu: torch.Tensor | None = None, key: str | None = None,
+             triton_ops: bool = True) -> tuple[Operand | None, Operand | None]:
+    """Both orientations of a tensor t read as a matrix [rows, C] (leading dims flattened): plans[0] for its
+    rows, plans[1] for the rows of its transpose.
+
+    Quantized orientations come from one custom-op call (the kernels read t once for both, through its
+    strides: an N-D t is not reshaped); an unquantized ("hp") orientation is t itself (minus mu, in t's
+    dtype), transposed as a view.  triton_ops=False launches the kernels from an opaque custom op even under
+    torch.compile on CUDA (see LinearPlan.triton_ops).
+    """
+    quantized = quantized_pair(plans)
+    out: list = [None, None]
+    if any(quantized):  # `key` (plans_key of the pair) may be precomputed: json does not trace
+        traceable = TRITON_OPS and triton_ops and t.is_cuda and all(p is None or p.form in KERNEL_FORMS for p in quantized)
+        op = _operands_cuda_op if traceable else _operands_op
+        flat = op(t, mu, seeds, *signs, key or plans_key(quantized))
+        out = [Operand(*flat[5 * i:5 * i + 5]) if p is not None else None for i, p in enumerate(quantized)]
+    if any(p is not None and p.form == "hp" for p in plans):
+        t = t.reshape(-1, t.shape[-1])
+        raw = (t.float() - mu).to(t.dtype) if mu is not None else t
+        none = t.new_empty(0)
+        for i, p in enumerate(plans):
+            if p is not None and p.form == "hp":
+                out[i] = Operand(raw if i == 0 else raw.t(), none, none, none, none)
+    return tuple(out)
+
+
+def _fp8_gemm_kernels(a_data: torch.Tensor, a_scale: torch.Tensor, a_side: torch.Tensor, a_eb: torch.Tensor,
+                      a_flags: torch.Tensor, b_data: torch.Tensor, b_scale: torch.Tensor, b_side: torch.Tensor,
+                      b_eb: torch.Tensor, b_flags: torch.Tensor, m: int, n: int, out_dtype: torch.dtype,
+                      a_blc: int, a_shift: int, b_blc: int, b_shift: int) -> torch.Tensor:
+    from ..kernels.gemm import fp8_gemm
+
+    return fp8_gemm(Operand(a_data, a_scale, a_side, a_eb, a_flags), Operand(b_data, b_scale, b_side, b_eb, b_flags),
+                    m, n, out_dtype, a_blc, a_shift, b_blc, b_shift)
+
+
+# Registered twice, as the operands are: opaque (the CPU and Triton's interpreter) and as a triton_op (CUDA).
+_fp8_gemm_op = torch.library.custom_op("hf_fp4::fp8_gemm", _fp8_gemm_kernels, mutates_args=())
+_fp8_gemm_cuda_op = torch.library.triton_op("hf_fp4::fp8_gemm_cuda", _fp8_gemm_kernels, mutates_args=())
+
+
+@_fp8_gemm_op.register_fake
+def _(a_data, a_scale, a_side, a_eb, a_flags, b_data, b_scale, b_side, b_eb, b_flags, m, n, out_dtype, a_blc,
+      a_shift, b_blc, b_shift):
+    return a_data.new_empty(m, n, dtype=out_dtype)
+
+
+def gemm(a: Operand, b: Operand, plans: tuple[OperandPlan, OperandPlan], m: int, n: int,
+         out_dtype: torch.dtype, triton_ops: bool = True) -> torch.Tensor:
+    """a [M, K] @ b [N, K]^T -> [M, N] in out_dtype, by the form both plans share."""
+    form = plans[0].form
+    if form == "hp":
+        return (a.data @ b.data.t().to(a.data.dtype)).to(out_dtype)
+    if form == "fp32":
+        return (a.data @ b.data.t()).to(out_dtype)
+    if form == "fp8":
+        pa, pb = plans
+        op = _fp8_gemm_cuda_op if TRITON_OPS and triton_ops and a.data.is_cuda else _fp8_gemm_op
+        return op(*a, *b, m, n, out_dtype, pa.spec.block[1], fp8_shift(pa.spec.grid),
+                            pb.spec.block[1], fp8_shift(pb.spec.grid))
+    # bf16: exact operands, FP32 accumulation, the two FP32 tensor scales on the output
+    if a.data.is_cuda:
+        out = torch.mm(a.data[:m], b.data[:n].t(), out_dtype=torch.float32)
+    else:
+        out = a.data[:m].float() @ b.data[:n].float().t()
+    return (out * (a.scale * b.scale)).to(out_dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LinearPlan:
+    """Everything the autograd function needs from a recipe: operand plans per tensor, forms per GEMM."""
+
+    x: tuple[OperandPlan | None, OperandPlan | None]
+    w: tuple[OperandPlan | None, OperandPlan | None]
+    dy: tuple[OperandPlan | None, OperandPlan | None]
+    forms: tuple[str, str, str]  # fprop, dgrad, wgrad
+    mean_bias: bool = False
+    frozen_weight: bool = False  # a packed export: fprop's weight operand is the stored tensor itself
+    # torch.compile launches the kernels from its generated code (triton_op: no Python per launch, but inductor
+    # copies an unrealised input per launch); False keeps them in opaque custom ops, which is faster where CUDA
+    # graphs replay the step (no Python per launch either, and no copies): FP4Linear.cuda_graphs.
+    triton_ops: bool = True
+    keys: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)  # (tensor, both) -> op key
+
+    def key(self, tensor: str, both: bool) -> str:
+        return self.keys[(tensor, both)]
+
+    def seeded(self, tensor: str) -> bool:
+        """Whether an orientation of `tensor` ("x", "w", "dy") rounds stochastically (its seeds matter)."""
+        return any(p is not None and p.stochastic for p in getattr(self, tensor))
+
+    @classmethod
+    def build(cls, recipe: LinearRecipe, backend: str, frozen_weight: bool = False) -> "LinearPlan":
+        """backend: "reference" (FP32 fake quantization) or "triton" (fast forms)."""
+        if backend not in ("reference", "triton"):
+            raise ValueError(f"unknown backend {backend!r}; valid: reference, triton")
+        plans, forms = {}, []
+        for gname in ("fprop", "dgrad", "wgrad"):
+            g: GemmSpec = recipe.gemm(gname)
+            form = _form(g, backend, frozen_weight and gname == "fprop")
+            forms.append(form)
+            k_align = max([16, g.hadamard.size if g.hadamard.enabled else 1] +
+                          [s.block[1] for s in (g.lhs, g.rhs) if s is not None])
+            h = g.hadamard.size if g.hadamard.enabled else 0
+            signed = g.hadamard.kind.value in ("random_fixed", "random_per_step")
+            for role, spec in (("lhs", g.lhs), ("rhs", g.rhs)):
+                if frozen_weight and gname == "fprop" and role == "rhs":
+                    plans[(gname, role)] = OperandPlan(None, 0, False, "fp32")  # the stored operand itself
+                    continue
+                plans[(gname, role)] = OperandPlan(spec if form != "hp" else None, h if form != "hp" else 0,
+                                                   signed and form != "hp", form, k_align)
+        pairs = {"x": (plans[("fprop", "lhs")], plans[("wgrad", "rhs")]),
+                 "w": (plans[("fprop", "rhs")], plans[("dgrad", "rhs")]),
+                 "dy": (plans[("dgrad", "lhs")], plans[("wgrad", "lhs")])}
+        keys = {(t, both): plans_key(quantized_pair((p[0], p[1] if both else None)))
+                for t, p in pairs.items() for both in (False, True)}
+        return cls(**pairs, forms=tuple(forms), mean_bias=recipe.mean_bias_removal, frozen_weight=frozen_weight,
+                   keys=keys)
+
+
+def _form(g: GemmSpec, backend: str, frozen: bool) -> str:
+    if not g.quantized and not g.hadamard.enabled:
+        return "hp"
+    if backend == "reference" or frozen or g.lhs is None or g.rhs is None:
+        return "fp32"
+    if ScaleRule.FP32 in (g.lhs.scale, g.rhs.scale):
+        return "fp32"
+    return "fp8" if fp8_capable(g.lhs) and fp8_capable(g.rhs) else "bf16"

@@ -1,0 +1,28 @@
+"""Optimizers: FP4 AdamW state (Full-Stack FP4) and Muon with optional NVFP4 Newton-Schulz.
+
+`build_optimizer` is the one place the trainer's `optimizer:` name becomes an optimizer.
+"""
+from __future__ import annotations
+
+import torch
+
+from .fp4_adamw import V_TRANSFORMS, FP4AdamW, state_bytes
+from .muon import NS_ITERATIONS, Muon, newton_schulz, orthogonality_error
+
+__all__ = ["FP4AdamW", "Muon", "build_optimizer", "newton_schulz", "orthogonality_error", "state_bytes",
+           "NS_ITERATIONS", "V_TRANSFORMS"]
+
+
+def build_optimizer(name: str, groups: list[dict], lr: float, betas: tuple[float, float],
+                    options: dict) -> torch.optim.Optimizer:
+    """The trainer's optimizer `name` ("adamw" | "fp4_adamw" | "muon") over param groups; for muon, groups marked
+    ``muon=True`` take ``options["muon_lr"]`` (default 0.02) as their lr, the others `lr`."""
+    if name == "muon":
+        opts = dict(options)
+        muon_lr = opts.pop("muon_lr", 0.02)
+        groups = [{**g, "lr": muon_lr} if g.get("muon") else g for g in groups if g["params"]]
+        return Muon(groups, lr=lr, betas=betas, **opts)
+    if name == "fp4_adamw":
+        return FP4AdamW(groups, lr=lr, betas=betas, **options)
+    fused = {"fused": True} if torch.cuda.is_available() else {}
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, **fused)

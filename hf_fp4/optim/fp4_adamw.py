@@ -1,0 +1,141 @@
+"""FP4 optimizer state (Full-Stack FP4): AdamW whose two moments are stored in a 4-bit QuantSpec format.
+
+`FP4AdamW` keeps, per parameter of at least `min_numel` elements, the first moment m and the second moment v as
+quantized tensors (packed 4-bit codes + block scales + a tensor scale; NVFP4 by default: 0.5625 bytes per
+value instead of FP32's 4).  Each step decodes them to FP32, runs the AdamW update there, and re-quantizes.
+
+The second moment is non-negative and heavy-tailed: within a block of 16 its values span many octaves, and
+E2M1's 8 magnitudes (0.5 ... 6 times the block scale) flush the small ones to zero -- a zero v divides a
+non-zero m by eps alone.  Two choices make it survive 4 bits:
+* ``v_transform="sqrt"`` (default) stores sqrt(v): the spread of a block halves in octaves, so fewer values
+  fall below the grid ("none" stores v itself: the ablation);
+* a zero code of the stored v decodes to a quarter of the block's smallest step (the middle of the values
+  that round to zero) instead of 0, so the denominator is never smaller than what the block can tell apart.
+
+Smaller parameters (norms, biases) keep FP32 moments.  The state dict holds only tensors (codes and scales
+as uint8, the tensor scale in FP32), so save/load through torch.save or accelerate is exact.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+
+import torch
+
+from ..numerics.formats import magnitudes
+from ..numerics.qtensor import QuantizedTensor, expand_blocks
+from ..numerics.quantize import quantize
+from ..numerics.spec import QuantSpec, as_spec
+
+from ._common import _run_closure, _with_grads
+
+V_TRANSFORMS = ("sqrt", "none")
+_STORED = ("_codes", "_scales", "_tensor_scale")
+
+
+class FP4AdamW(torch.optim.Optimizer):
+    """AdamW (decoupled weight decay, bias correction) with moments stored in `state_spec` (see module doc)."""
+
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, state_spec: "QuantSpec | str" = "nvfp4", v_transform: str = "sqrt",
+                 min_numel: int = 4096):
+        if v_transform not in V_TRANSFORMS:
+            raise ValueError(f"v_transform={v_transform!r}: valid values are {', '.join(V_TRANSFORMS)}")
+        if not 0.0 <= betas[0] < 1.0 or not 0.0 <= betas[1] < 1.0:
+            raise ValueError(f"betas must be in [0, 1), got {betas}")
+        if lr < 0 or eps <= 0 or weight_decay < 0:
+            raise ValueError(f"need lr >= 0, eps > 0, weight_decay >= 0; got {lr}, {eps}, {weight_decay}")
+        spec = as_spec(state_spec)
+        if spec.rounding.value != "nearest":
+            raise ValueError("state_spec must round to nearest (the state is re-quantized every step)")
+        self.spec, self.v_transform, self.min_numel = spec, v_transform, int(min_numel)
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's loader casts every floating state tensor to its parameter's dtype; the stored moments (codes,
+        scales, FP32 tensor scale) are put back as saved instead."""
+        saved = {i: {k: v for k, v in s.items() if k.endswith(_STORED)} for i, s in state_dict["state"].items()}
+        super().load_state_dict(state_dict)
+        index = dict(zip(itertools.chain.from_iterable(g["params"] for g in state_dict["param_groups"]),
+                         itertools.chain.from_iterable(g["params"] for g in self.param_groups)))
+        for i, tensors in saved.items():
+            p = index[i]
+            self.state[p].update({k: v.to(p.device) for k, v in tensors.items()})
+
+    # ------------------------------------------------------------------------------------------
+    def quantized(self, p: torch.Tensor) -> bool:
+        return p.numel() >= self.min_numel and p.dim() >= 1
+
+    def _store(self, state: dict, name: str, x: torch.Tensor) -> None:
+        q = quantize(x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x, self.spec)
+        state[f"{name}_codes"] = q.codes
+        state[f"{name}_scales"] = q.scales.view(torch.uint8)  # not a float: load_state_dict would cast it
+        state[f"{name}_tensor_scale"] = q.tensor_scale if q.tensor_scale is not None else torch.ones((), device=x.device)
+
+    def _load(self, state: dict, name: str, p: torch.Tensor, floor_zeros: bool) -> torch.Tensor:
+        shape = p.shape if p.dim() == 2 else torch.Size((math.prod(p.shape[:-1]), p.shape[-1]))
+        scales = state[f"{name}_scales"].view(_scale_dtype(self.spec))
+        q = QuantizedTensor(state[f"{name}_codes"], scales, state[f"{name}_tensor_scale"], shape, self.spec)
+        values = q.dequantize()
+        if floor_zeros:  # a zero code stands for "below the grid": the middle of that range, not 0
+            step = expand_blocks(q.block_decode(), self.spec.block) * q.tensor_scale * _smallest_step(self.spec)
+            values = torch.where(values == 0, step[:shape[0], :shape[1]] / 2, values)
+        return values.reshape(p.shape)
+
+    def moments(self, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The FP32 values of p's first and second moments, as the next step will read them."""
+        state = self.state[p]
+        if not self.quantized(p):
+            return state["m"], state["v"]
+        stored_v = self._load(state, "v", p, floor_zeros=True)
+        return self._load(state, "m", p, False), stored_v.square() if self.v_transform == "sqrt" else stored_v
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = _run_closure(closure)
+        for group, p in _with_grads(self):
+            b1, b2 = group["betas"]
+            g = p.grad.float()
+            if not torch.isfinite(g).all():
+                raise FloatingPointError("FP4AdamW: non-finite gradient (the state would be lost on "
+                                         "re-quantization); skip the step instead")
+            state = self.state[p]
+            if not state:
+                state["step"] = torch.zeros((), dtype=torch.float32)
+                zeros = torch.zeros_like(p, dtype=torch.float32)
+                if self.quantized(p):
+                    self._store(state, "m", zeros)
+                    self._store(state, "v", zeros)
+                else:
+                    state["m"], state["v"] = zeros, zeros.clone()
+            m, v = self.moments(p)
+            m = m.mul(b1).add_(g, alpha=1 - b1)
+            v = v.mul(b2).addcmul_(g, g, value=1 - b2)
+            state["step"] += 1
+            t = float(state["step"])
+            denom = (v / (1 - b2 ** t)).sqrt_().add_(group["eps"])
+            update = (m / (1 - b1 ** t)) / denom
+            master = p.float()
+            master.mul_(1 - group["lr"] * group["weight_decay"]).add_(update, alpha=-group["lr"])
+            p.copy_(master)
+            if self.quantized(p):
+                self._store(state, "m", m)
+                self._store(state, "v", v.sqrt() if self.v_transform == "sqrt" else v)
+            else:
+                state["m"], state["v"] = m, v
+        return loss
+
+
+def state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of every tensor in the optimizer's state (step counters included)."""
+    return sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values()
+               if isinstance(t, torch.Tensor))
+
+
+def _scale_dtype(spec: QuantSpec) -> torch.dtype:
+    return {"ue4m3_fp32": torch.float8_e4m3fn, "e8m0_floor": torch.float8_e8m0fnu,
+            "e8m0_ceil": torch.float8_e8m0fnu}.get(spec.scale.value, torch.float32)
+
+
+def _smallest_step(spec: QuantSpec) -> float:
+    return float(min(m for m in magnitudes(spec.grid) if m > 0))

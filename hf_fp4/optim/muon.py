@@ -1,0 +1,107 @@
+"""Muon: momentum orthogonalised by Newton-Schulz iterations, optionally with NVFP4 operands."""
+from __future__ import annotations
+
+import torch
+
+from ..numerics.quantize import fake_quantize
+from ..numerics.spec import QuantSpec, as_spec
+from ._common import _run_closure, _with_grads
+
+#: x <- a x + (b S + c S^2) x with S = x x^T.  "quintic": Muon's (Jordan et al., 2024), fast but stable only
+#: while every singular value stays below ~1.3 -- with NVFP4 operands (~12% error in S) it diverges (measured:
+#: tests/test_optim.py, benchmarks/optim-2026-12-01.md).  "cubic": the classic Newton-Schulz step, contractive
+#: for singular values in (0, sqrt 3), slower to converge, and as accurate with NVFP4 operands as in BF16.
+NS_ITERATIONS = {"quintic": (3.4445, -4.7750, 2.0315), "cubic": (1.5, -0.5, 0.0)}
+
+
+def _matmul(a: torch.Tensor, b: torch.Tensor, spec: QuantSpec | None) -> torch.Tensor:
+    """a [m, k] @ b [k, n]: in BF16, or with both operands quantized along k (blocks of the contraction
+    dimension, as hf_fp4's GEMMs take them) by the reference quantizer and multiplied in FP32."""
+    if spec is None:
+        return a.bfloat16() @ b.bfloat16()
+    return fake_quantize(a.float(), spec) @ fake_quantize(b.float().t(), spec).t()
+
+
+def newton_schulz(g: torch.Tensor, steps: int = 5, spec: "QuantSpec | str | None" = None,
+                  iteration: str = "quintic") -> torch.Tensor:
+    """Approximately U V^T of g = U S V^T, every matmul in BF16 or, with `spec` (e.g. "nvfp4"), with quantized
+    operands.  Returns FP32 of g's shape.  See NS_ITERATIONS for the two iterations."""
+    spec = as_spec(spec) if spec is not None else None
+    a, b, c = NS_ITERATIONS[iteration]
+    x = g.float()
+    tall = x.shape[0] > x.shape[1]
+    if tall:
+        x = x.t()
+    x = x / (x.norm() + 1e-7)
+    for _ in range(steps):
+        s = _matmul(x, x.t(), spec).float()
+        poly = b * s + c * _matmul(s, s, spec).float() if c else b * s
+        x = a * x + _matmul(poly, x, spec).float()
+    return x.t() if tall else x
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon for the groups marked ``muon=True`` (the hidden weight matrices), AdamW for the others
+    (embeddings, norms, LM head) -- one optimizer, so accelerate, schedulers and checkpoints see one.  Each
+    group's ``lr`` is its own (Muon's is typically ~10x AdamW's), so an LR schedule scales both.
+
+    Muon: buf = mu buf + g; u = g + mu buf (Nesterov); p -= lr (NS(u) sqrt(max(1, rows / cols)) + wd p).
+    ``ns_spec="nvfp4"`` runs the Newton-Schulz matmuls with NVFP4 operands (`newton_schulz`); it needs
+    ``ns_iteration="cubic"`` (the quintic diverges with 4-bit operands) and more steps (e.g. 12)."""
+
+    def __init__(self, param_groups, lr: float = 0.02, momentum: float = 0.95, ns_steps: int = 5,
+                 ns_spec: "str | None" = None, ns_iteration: str = "quintic", weight_decay: float = 0.0,
+                 betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8):
+        if ns_iteration not in NS_ITERATIONS:
+            raise ValueError(f"ns_iteration={ns_iteration!r}: valid values are {', '.join(NS_ITERATIONS)}")
+        if ns_spec is not None:
+            as_spec(ns_spec)  # an unknown spec name fails here
+            if ns_iteration == "quintic":
+                raise ValueError(f"ns_spec={ns_spec!r} with ns_iteration='quintic': the quintic iteration diverges "
+                                 "with 4-bit operands (its error pushes singular values past its stable range); "
+                                 "use ns_iteration='cubic' (e.g. with ns_steps=12)")
+        self.ns_iteration = ns_iteration
+        if not 0.0 <= momentum < 1.0 or ns_steps < 1:
+            raise ValueError(f"need 0 <= momentum < 1 and ns_steps >= 1; got {momentum}, {ns_steps}")
+        self.ns_spec = ns_spec
+        defaults = dict(lr=lr, momentum=momentum, ns_steps=ns_steps, weight_decay=weight_decay, betas=tuple(betas),
+                        eps=eps, muon=False)
+        super().__init__(param_groups, defaults)
+        for group in self.param_groups:
+            if group["muon"] and any(p.dim() != 2 for p in group["params"]):
+                raise ValueError("Muon groups take 2-D weight matrices only; put other parameters in a muon=False "
+                                 "group (AdamW)")
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = _run_closure(closure)
+        for group, p in _with_grads(self):
+            g, state = p.grad.float(), self.state[p]
+            if group["muon"]:
+                buf = state.setdefault("momentum_buffer", torch.zeros_like(g))
+                buf.mul_(group["momentum"]).add_(g)
+                u = newton_schulz(g.add(buf, alpha=group["momentum"]), group["ns_steps"], self.ns_spec,
+                                  self.ns_iteration)
+                scale = max(1.0, p.shape[0] / p.shape[1]) ** 0.5
+                master = p.float().mul_(1 - group["lr"] * group["weight_decay"])
+                p.copy_(master.add_(u, alpha=-group["lr"] * scale))
+                continue
+            b1, b2 = group["betas"]
+            if not state:
+                state["step"] = torch.zeros((), dtype=torch.float32)
+                state["m"], state["v"] = torch.zeros_like(g), torch.zeros_like(g)
+            state["step"] += 1
+            t = float(state["step"])
+            state["m"].mul_(b1).add_(g, alpha=1 - b1)
+            state["v"].mul_(b2).addcmul_(g, g, value=1 - b2)
+            denom = (state["v"] / (1 - b2 ** t)).sqrt_().add_(group["eps"])
+            master = p.float().mul_(1 - group["lr"] * group["weight_decay"])
+            p.copy_(master.addcdiv_(state["m"], denom, value=-group["lr"] / (1 - b1 ** t)))
+        return loss
+
+
+def orthogonality_error(o: torch.Tensor, g: torch.Tensor) -> float:
+    """|| o - U V^T ||_F / || U V^T ||_F: the distance of an orthogonalisation o of g from g's exact polar factor."""
+    u, _, vh = torch.linalg.svd(g.double(), full_matrices=False)
+    polar = u @ vh
+    return float((o.double() - polar).norm() / polar.norm())

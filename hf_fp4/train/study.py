@@ -1,0 +1,276 @@
+"""Convergence studies: many pretraining runs from one YAML, resumable, summarised as a gap table and plots.
+
+A study file (configs/study/*.yaml)::
+
+    name: recipes-50m
+    base: ../bench-50m.yaml            # a pretrain config (relative to the study file)
+    overrides: {max_steps: 2000}       # applied to every run
+    seeds: [0]                         # default seeds of a run
+    runs:
+      - {recipe: bf16, seeds: [0, 1, 2]}
+      - {recipe: nvfp4}
+      - {label: nvfp4-lora8, recipe: nvfp4, recipe_options: {lora_svd_rank: 8}}
+      - {label: nvfp4-late-bf16-fprop, recipe: nvfp4, precision_schedule: [{at: 0.85, bf16: [fprop]}]}
+
+Each run entry is a set of TrainConfig keys (plus `label`, default the recipe, and `seeds`); every run's
+config is validated before the first one starts.  `run_study` tokenises each dataset the runs need once,
+then runs them as `python -m hf_fp4 pretrain` subprocesses, several at once (one GPU each when GPUs are
+given), skipping finished runs and resuming interrupted ones; `summarize` writes results.json, table.md (gap to bf16 with the bf16 seed spread) and
+the plots into the study folder.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .compare import load_run
+from ..files import atomic_write_text
+from .data import prepare_data
+from ..extras import optional, require
+from .config import TrainConfig
+
+STUDY_KEYS = {"name", "base", "overrides", "seeds", "runs"}
+
+
+@dataclass(frozen=True)
+class StudyRun:
+    name: str      # <label>-s<seed>: the run's folder under runs/
+    label: str     # what the table groups by (seeds of one label are averaged)
+    seed: int
+    config: dict   # the full pretrain config
+    replica: int = 0  # the seed's position in its run's seed list: every run's first seed is run first
+
+
+@dataclass(frozen=True)
+class Study:
+    name: str
+    runs: tuple[StudyRun, ...]
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = copy.deepcopy(base)
+    for key, value in extra.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def load_study(path: str | Path, out: str | Path) -> Study:
+    """Parse and validate a study file; run folders go under `out`/runs."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"study file {path} not found")
+    spec = yaml.safe_load(path.read_text()) or {}
+    unknown = set(spec) - STUDY_KEYS
+    if unknown:
+        raise ValueError(f"{path}: unknown study key(s) {sorted(unknown)}; valid: {', '.join(sorted(STUDY_KEYS))}")
+    if not spec.get("runs"):
+        raise ValueError(f"{path}: a study needs a non-empty `runs` list")
+    base: dict[str, Any] = {}
+    if spec.get("base"):
+        base_path = (path.parent / spec["base"]).resolve()
+        if not base_path.exists():
+            raise FileNotFoundError(f"{path}: base config {base_path} not found")
+        base = yaml.safe_load(base_path.read_text()) or {}
+    base = _merge(base, spec.get("overrides") or {})
+    runs, names = [], set()
+    for i, entry in enumerate(spec["runs"]):
+        if not isinstance(entry, dict):
+            raise ValueError(f"{path}: runs[{i}] must be a mapping of config keys, got {entry!r}")
+        entry = dict(entry)
+        label = str(entry.pop("label", entry.get("recipe", base.get("recipe", "bf16"))))
+        seeds = entry.pop("seeds", spec.get("seeds", [0]))
+        for replica, seed in enumerate(seeds):
+            name = f"{label}-s{seed}"
+            if name in names:
+                raise ValueError(f"{path}: two runs are named {name!r}; give one a `label`")
+            names.add(name)
+            config = _merge(base, {**entry, "seed": seed, "output_dir": str(Path(out) / "runs" / name)})
+            try:
+                TrainConfig.from_dict(config)
+            except (ValueError, FileNotFoundError) as err:
+                raise type(err)(f"{path}: run {name}: {err}") from err
+            runs.append(StudyRun(name, label, seed, config, replica))
+    return Study(str(spec.get("name") or path.stem), tuple(runs))
+
+
+RESULT = "result.json"  # written by run_study when a run exits cleanly: the run's row of results.json
+
+
+def run_state(run_dir: Path, max_steps: int) -> str:
+    """'done' (metrics up to max_steps, and final/ exported or the study's result.json written: a run folder
+    committed without its weights stays done), 'partial' (something to resume) or 'new'."""
+    metrics = run_dir / "metrics.jsonl"
+    if ((run_dir / "final").exists() or (run_dir / RESULT).exists()) and metrics.exists():
+        steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines() if line]
+        if steps and steps[-1] >= max_steps:
+            return "done"
+    return "partial" if metrics.exists() or (run_dir / "checkpoints").exists() else "new"
+
+
+def run_study(study: Study, out: str | Path, parallel: int = 1, gpus: list[str] | None = None,
+              launcher: list[str] | None = None, poll_s: float = 0.5) -> dict[str, int]:
+    """Run every unfinished run (`parallel` at a time; run k gets GPU gpus[k % len(gpus)] when given) and
+    return their exit codes (0 for the ones already done).  A failed run does not stop the others.  Every
+    label's first seed goes before any second one, so a study stopped half-way has covered the most labels."""
+    out = Path(out)
+    (out / "configs").mkdir(parents=True, exist_ok=True)
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    codes, queue, active = {}, [], {}
+    for run in study.runs:
+        state = run_state(Path(run.config["output_dir"]), run.config.get("max_steps", TrainConfig.max_steps))
+        if state == "done":
+            codes[run.name] = 0
+            print(f"study: {run.name} finished earlier, skipped")
+            continue
+        cfg_path = out / "configs" / f"{run.name}.yaml"
+        cfg_path.write_text(yaml.safe_dump(run.config, sort_keys=False))
+        queue.append((run, cfg_path, state))
+    queue.sort(key=lambda item: item[0].replica)
+    # the data once, here: runs started together would each tokenise the same corpus
+    keys = {}
+    for run, _, _ in queue:
+        key = _data_key(run.config)
+        keys[json.dumps(key, sort_keys=True, default=str)] = key
+    for text, key in keys.items():
+        print(f"study: preparing data {text}", flush=True)
+        prepare_data(*key)
+    runs = {run.name: run for run in study.runs}
+    slots = list(range(max(1, parallel)))
+    while queue or active:
+        while queue and slots:
+            run, cfg_path, state = queue.pop(0)
+            slot = slots.pop(0)
+            env = dict(os.environ)
+            if gpus:
+                env["CUDA_VISIBLE_DEVICES"] = str(gpus[slot % len(gpus)])
+            cmd = [*(launcher or [sys.executable]), "-m", "hf_fp4", "pretrain", "--config", str(cfg_path)]
+            cmd += ["--resume"] if state == "partial" else []
+            log = open(out / "logs" / f"{run.name}.log", "a")
+            print(f"study: {'resuming' if state == 'partial' else 'starting'} {run.name}"
+                  + (f" on GPU {env['CUDA_VISIBLE_DEVICES']}" if gpus else ""), flush=True)
+            active[run.name] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), slot, log)
+        time.sleep(poll_s)
+        for name, (proc, slot, log) in list(active.items()):
+            if proc.poll() is not None:
+                log.close()
+                codes[name] = proc.returncode
+                if proc.returncode == 0 and (result := _run_result(runs[name])) is not None:
+                    atomic_write_text(Path(runs[name].config["output_dir"]) / RESULT, json.dumps(result, indent=1))
+                slots.append(slot)
+                del active[name]
+                print(f"study: {name} {'finished' if proc.returncode == 0 else f'FAILED ({proc.returncode})'}"
+                      + ("" if proc.returncode == 0 else f", see {out / 'logs' / (name + '.log')}"), flush=True)
+    return codes
+
+
+def _data_key(config: dict) -> tuple:
+    cfg = TrainConfig.from_dict(config)
+    return cfg.dataset, cfg.tokenizer, cfg.vocab_size, cfg.val_fraction
+
+
+def _run_result(run: StudyRun) -> dict | None:
+    run_dir = Path(run.config["output_dir"])
+    if not (run_dir / "metrics.jsonl").exists():
+        return None
+    records = load_run(run_dir)["records"]
+    info_path = run_dir / "run_info.json"
+    info = json.loads(info_path.read_text()) if info_path.exists() else {}
+    train = [r for r in records if r.get("loss") is not None]
+    val = [[r["step"], r["val_loss"]] for r in records if r.get("val_loss") is not None]
+    tokens = records[-1].get("tokens") if records else None
+    available = info.get("train_tokens_available")
+    return {"run": run.name, "label": run.label, "recipe": run.config.get("recipe", "bf16"), "seed": run.seed,
+            "recipe_options": run.config.get("recipe_options", {}),
+            "precision_schedule": run.config.get("precision_schedule", []),
+            "steps": records[-1]["step"] if records else 0, "max_steps": run.config.get("max_steps"),
+            "tokens_trained": tokens, "unique_tokens_available": available,
+            "epochs": round(tokens / available, 4) if tokens and available else None,
+            "final_train_loss": train[-1]["loss"] if train else None,
+            "final_val_loss": val[-1][1] if val else None, "val_curve": val,
+            # throughput as the run saw it (runs sharing a GPU slow each other: compare within one study)
+            "median_tokens_per_s": round(statistics.median(speeds)) if (speeds := [
+                r["tokens_per_s"] for r in records if r.get("tokens_per_s")]) else None}
+
+
+def _by_label(results: list[dict]) -> dict[str, list[dict]]:
+    """The runs with a final validation loss, grouped by label (the seeds of one label together)."""
+    groups: dict[str, list[dict]] = {}
+    for r in results:
+        if r["final_val_loss"] is not None:
+            groups.setdefault(r["label"], []).append(r)
+    return groups
+
+
+def gap_table(results: list[dict]) -> str:
+    """Mean final validation loss per label (± half the range over seeds) and its gap to bf16's mean."""
+    groups = _by_label(results)
+    base = groups.get("bf16")
+    base_mean = statistics.mean(r["final_val_loss"] for r in base) if base else None
+    spread = (max(r["final_val_loss"] for r in base) - min(r["final_val_loss"] for r in base)) / 2 if base else None
+    lines = ["| label | recipe | seeds | tokens trained | epochs | final val loss | gap to bf16 |",
+             "|---|---|---|---|---|---|---|"]
+    for label, runs in groups.items():
+        vals = [r["final_val_loss"] for r in runs]
+        mean, half = statistics.mean(vals), (max(vals) - min(vals)) / 2
+        gap = f"{100 * (mean - base_mean) / base_mean:+.2f}%" if base_mean else "n/a"
+        epochs = runs[0]["epochs"]
+        lines.append(f"| {label} | {runs[0]['recipe']} | {len(runs)} | {runs[0]['tokens_trained'] or '-'} | "
+                     f"{epochs if epochs is not None else '-'} | {mean:.4f} ± {half:.4f} | {gap} |")
+    note = (f"\nbf16 seed spread: ± {spread:.4f} ({100 * spread / base_mean:.2f}% of its mean) over {len(base)} "
+            "seed(s); a gap inside it is not a measured difference.\n" if base else "\nNo bf16 run: no gaps.\n")
+    return "\n".join(lines) + "\n" + note
+
+
+def summarize(study: Study, out: str | Path) -> dict:
+    """results.json, table.md and (with matplotlib) val_curves.png and gaps.png in `out`."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = [r for r in (_run_result(run) for run in study.runs) if r is not None]
+    summary = {"study": study.name, "runs": results}
+    (out / "results.json").write_text(json.dumps(summary, indent=1))
+    (out / "table.md").write_text(f"# Study {study.name}\n\n" + gap_table(results))
+    if results and optional("matplotlib", "plot", "the study's plots"):
+        _plot(results, out)
+    return summary
+
+
+def _plot(results: list[dict], out: Path) -> None:
+    matplotlib = require("matplotlib", "plot", "the study's plots")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for r in results:
+        if r["val_curve"]:
+            ax.plot(*zip(*r["val_curve"]), marker=".", linewidth=1, label=r["run"])
+    ax.set(xlabel="step", ylabel="validation loss", title="validation loss")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "val_curves.png", dpi=120)
+    plt.close(fig)
+    groups = {label: [r["final_val_loss"] for r in runs] for label, runs in _by_label(results).items()}
+    if "bf16" not in groups:
+        return
+    base = statistics.mean(groups["bf16"])
+    labels = list(groups)
+    means = [100 * (statistics.mean(v) - base) / base for v in groups.values()]
+    errs = [100 * (max(v) - min(v)) / 2 / base for v in groups.values()]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.bar(labels, means, yerr=errs, capsize=4)
+    ax.axhline(0, color="black", linewidth=0.8)
+    ax.set(ylabel="final val loss gap to bf16 (%)", title="gap to bf16 (error bars: half the seed range)")
+    ax.tick_params(axis="x", rotation=45)
+    fig.tight_layout()
+    fig.savefig(out / "gaps.png", dpi=120)
+    plt.close(fig)
