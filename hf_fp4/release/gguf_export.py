@@ -25,6 +25,7 @@ import torch
 from ..nn import lora_svd
 from ..nn.swap import fp4_modules
 from ..extras import require
+from ..files import atomic_file
 from ..numerics.formats import Grid
 from ..numerics.scales import ScaleRule
 
@@ -138,48 +139,47 @@ def export_gguf(model, tokenizer, output, gguf_type: str = "mxfp4", overwrite: b
         raise FileExistsError(f"{output} exists; pass --overwrite to replace it")
     fp4 = fp4_modules(model)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)
-    tmp = output.with_name(f".{output.name}.tmp")
-    writer = gguf.GGUFWriter(str(tmp), "llama")
-    _write_metadata(writer, gguf, config, tokenizer)
-    float_type = gguf.GGMLQuantizationType.F32 if gguf_type == "f32" else gguf.GGMLQuantizationType.BF16
-    seen, exact, lossy = set(), 0, []
-    for hf_name, tensor in model.state_dict().items():
-        if lora_svd.is_factor(hf_name) or hf_name.endswith("rotary_emb.inv_freq"):
-            continue
-        if tensor.data_ptr() in seen and config.tie_word_embeddings and hf_name.endswith("lm_head.weight"):
-            continue  # tied: llama.cpp reuses token_embd
-        seen.add(tensor.data_ptr())
-        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
-        if name is None:
-            raise ValueError(f"no GGUF name for {hf_name}")
-        module = fp4.get(hf_name.removesuffix(".weight"))
-        heads = (config.num_attention_heads if ".attn_q." in name else
-                 config.num_key_value_heads if ".attn_k." in name else None)
-        if module is not None and gguf_type == "mxfp4" and mxfp4_exact(module):
-            q = module.quantized_fprop_weight()
-            n, k = module.out_features, module.in_features
-            codes, scales = q.codes[:n], q.scales[:n]
+    with atomic_file(output) as tmp:  # a crash leaves no half-written file
+        writer = gguf.GGUFWriter(str(tmp), "llama")
+        _write_metadata(writer, gguf, config, tokenizer)
+        float_type = gguf.GGMLQuantizationType.F32 if gguf_type == "f32" else gguf.GGMLQuantizationType.BF16
+        seen, exact, lossy = set(), 0, []
+        for hf_name, tensor in model.state_dict().items():
+            if lora_svd.is_factor(hf_name) or hf_name.endswith("rotary_emb.inv_freq"):
+                continue
+            if tensor.data_ptr() in seen and config.tie_word_embeddings and hf_name.endswith("lm_head.weight"):
+                continue  # tied: llama.cpp reuses token_embd
+            seen.add(tensor.data_ptr())
+            name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+            if name is None:
+                raise ValueError(f"no GGUF name for {hf_name}")
+            module = fp4.get(hf_name.removesuffix(".weight"))
+            heads = (config.num_attention_heads if ".attn_q." in name else
+                     config.num_key_value_heads if ".attn_k." in name else None)
+            if module is not None and gguf_type == "mxfp4" and mxfp4_exact(module):
+                q = module.quantized_fprop_weight()
+                n, k = module.out_features, module.in_features
+                codes, scales = q.codes[:n], q.scales[:n]
+                if heads:
+                    codes, scales = permute_rotary_rows(codes, heads), permute_rotary_rows(scales.view(torch.uint8), heads)
+                writer.add_tensor(name, mxfp4_blocks(codes.cpu(), scales.cpu(), k),
+                                  raw_dtype=gguf.GGMLQuantizationType.MXFP4)  # shape from the bytes per row
+                exact += 1
+                continue
+            if module is not None:
+                lossy.append(hf_name.removesuffix(".weight"))
+            w = (module.dequantized_weight() if module is not None else tensor).detach().float().cpu()
             if heads:
-                codes, scales = permute_rotary_rows(codes, heads), permute_rotary_rows(scales.view(torch.uint8), heads)
-            writer.add_tensor(name, mxfp4_blocks(codes.cpu(), scales.cpu(), k),
-                              raw_dtype=gguf.GGMLQuantizationType.MXFP4)  # shape from the bytes per row
-            exact += 1
-            continue
-        if module is not None:
-            lossy.append(hf_name.removesuffix(".weight"))
-        w = (module.dequantized_weight() if module is not None else tensor).detach().float().cpu()
-        if heads:
-            w = permute_rotary_rows(w, heads)
-        kind = gguf.GGMLQuantizationType.F32 if w.dim() == 1 else float_type
-        data = gguf.quants.quantize(w.numpy(), kind) if kind != gguf.GGMLQuantizationType.F32 else w.numpy()
-        writer.add_tensor(name, data, raw_dtype=kind)
-    kind_name = "F32" if gguf_type == "f32" else "BF16"
-    print(f"hf_fp4: GGUF: {exact} FP4 linear layer(s) as MXFP4, bit for bit"
-          + (f"; {len(lossy)} dequantized to {kind_name} (their fprop weight is not E2M1 + E8M0 on 1x32 blocks "
-             f"without Hadamard / LoRA-SVD, or --gguf_type asked for it), e.g. {lossy[0]}" if lossy else ""))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    tmp.replace(output)
+                w = permute_rotary_rows(w, heads)
+            kind = gguf.GGMLQuantizationType.F32 if w.dim() == 1 else float_type
+            data = gguf.quants.quantize(w.numpy(), kind) if kind != gguf.GGMLQuantizationType.F32 else w.numpy()
+            writer.add_tensor(name, data, raw_dtype=kind)
+        kind_name = "F32" if gguf_type == "f32" else "BF16"
+        print(f"hf_fp4: GGUF: {exact} FP4 linear layer(s) as MXFP4, bit for bit"
+              + (f"; {len(lossy)} dequantized to {kind_name} (their fprop weight is not E2M1 + E8M0 on 1x32 blocks "
+                 f"without Hadamard / LoRA-SVD, or --gguf_type asked for it), e.g. {lossy[0]}" if lossy else ""))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
     return output
