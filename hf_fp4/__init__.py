@@ -16,7 +16,7 @@ __all__ = [
 ]
 
 from .nn.lora_svd import maybe_refresh as maybe_refresh_lora_svd, split_model as lora_svd_split
-from .nn.swap import (convert_model, fp4_modules, load_rng_state_dict,
+from .nn.swap import (convert_model, fp4_modules, load_rng_state_dict, set_fp8_gemms,
                       rng_state_dict, swap_linear_layers)
 from .nn.linear import FP4Linear, observe_operands
 from .nn.recipe import PRESET_NAMES, GemmSpec, HadamardSpec, LayerRules, LinearRecipe, Recipe, preset
@@ -27,7 +27,8 @@ _register()
 __all__ += [
     "FP4Linear", "FP4TrainConfig", "FP4HfQuantizer", "Recipe", "LinearRecipe", "GemmSpec", "HadamardSpec",
     "LayerRules", "PRESET_NAMES", "preset", "convert_model", "swap_linear_layers", "fp4_modules",
-    "observe_operands", "lora_svd_split", "maybe_refresh_lora_svd", "rng_state_dict", "load_rng_state_dict",
+    "observe_operands", "set_fp8_gemms", "lora_svd_split", "maybe_refresh_lora_svd", "rng_state_dict",
+    "load_rng_state_dict",
 ]
 
 from .nn.compile import compile_model  # noqa: E402

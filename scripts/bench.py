@@ -34,6 +34,18 @@ from hf_fp4 import FP4Linear, QuantSpec, preset
 from hf_fp4.nn.recipe import PRESET_NAMES
 
 FP4_PRESETS = [p for p in PRESET_NAMES if p != "bf16"]
+#: "hf_fp4:<preset>+bf16gemm[:mode]": the MX family's GEMMs on the BF16 tensor cores (FP4Linear.fp8_gemms=False)
+MX_PRESETS = ("mxfp4", "mxfp4_dh", "tib")
+VARIANTS = ("", "bf16gemm")
+
+
+def hf_fp4_impl(name: str) -> tuple[str, bool, str]:
+    """'hf_fp4:mxfp4+bf16gemm:graphs' -> ('mxfp4', fp8_gemms=False, 'graphs')."""
+    token, _, mode = name.removeprefix("hf_fp4:").partition(":")
+    recipe, _, variant = token.partition("+")
+    if variant not in VARIANTS:
+        raise SystemExit(f"unknown variant +{variant} in {name}; valid: +bf16gemm")
+    return recipe, variant != "bf16gemm", mode
 LLAMA_1B = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16, num_attention_heads=32,
                 num_key_value_heads=8, vocab_size=32000, max_position_embeddings=2048)
 
@@ -243,9 +255,10 @@ def linear_impls(k, n, dev, names):
         elif name == "bf16_graphs":
             yield name, torch.compile(base(), mode="reduce-overhead")
         else:
-            recipe, _, mode = name.removeprefix("hf_fp4:").partition(":")
+            recipe, fp8_gemms, mode = hf_fp4_impl(name)
             layer = FP4Linear.from_linear(base(), preset(recipe).linear, name="bench")
             layer.cuda_graphs = mode == "graphs"  # as hf_fp4.compile_model sets it
+            layer.fp8_gemms = fp8_gemms
             if mode:
                 layer = torch.compile(layer, mode="reduce-overhead" if mode == "graphs" else "default")
             yield name, layer
@@ -294,8 +307,9 @@ def build_model(name, cfg_kwargs, dev):
     torch.manual_seed(0)
     cfg = LlamaConfig(**cfg_kwargs)
     if name.startswith("hf_fp4:"):
-        recipe = name.removeprefix("hf_fp4:").split(":")[0]
+        recipe, fp8_gemms, _ = hf_fp4_impl(name)
         model = AutoModelForCausalLM.from_config(cfg, quantization_config=hf_fp4.FP4TrainConfig(recipe))
+        hf_fp4.set_fp8_gemms(model, fp8_gemms)
     else:
         model = AutoModelForCausalLM.from_config(cfg)
     model = model.to(dev)
@@ -511,10 +525,11 @@ def main():
     lin_names = ["bf16", "bf16_compiled", "torchao_fp8_tensorwise", "torchao_fp8_rowwise", "emulation_compiled"]
     lin_names += [f"hf_fp4:{p}" for p in FP4_PRESETS] + [f"hf_fp4:{p}:compiled" for p in FP4_PRESETS]
     lin_names += ["bf16_graphs"] + [f"hf_fp4:{p}:graphs" for p in FP4_PRESETS]
+    lin_names += [f"hf_fp4:{p}+bf16gemm{m}" for p in MX_PRESETS for m in ("", ":graphs")]
     e2e_names = ["bf16", "bf16_compiled", "torchao_fp8_tensorwise:compiled", "torchao_fp8_rowwise:compiled",
                  "emulation_compiled"] + [f"hf_fp4:{p}" for p in FP4_PRESETS] + [
                  f"hf_fp4:{p}:compiled" for p in FP4_PRESETS] + ["bf16_graphs"] + [
-                 f"hf_fp4:{p}:graphs" for p in FP4_PRESETS]
+                 f"hf_fp4:{p}:graphs" for p in FP4_PRESETS] + [f"hf_fp4:{p}+bf16gemm:graphs" for p in MX_PRESETS]
     if args.impls:
         keep = set(args.impls.split(","))
         lin_names = [n for n in lin_names if n in keep]

@@ -37,6 +37,8 @@ CASES = [
      lambda tmp: cfg(lrr=1e-3)),
     ("wrong type in the YAML", ValueError, "config key 'max_steps' must be int, got str 'ten'",
      lambda tmp: cfg(max_steps="ten")),
+    ("a switch that is not a bool", ValueError, "config key 'fp8_gemms' must be bool, got str 'no'",
+     lambda tmp: cfg(fp8_gemms="no")),
     ("value outside its choices", ValueError, "compile_mode='fast': valid values are auto, default, reduce-overhead",
      lambda tmp: cfg(compile_mode="fast")),
     ("override that is not key=value", ValueError, "override 'lr' must look like key=value",

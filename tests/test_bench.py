@@ -12,12 +12,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_bench_quick_parts_write_every_row(tmp_path):
     cmd = [sys.executable, str(ROOT / "scripts" / "bench.py"), "--quick", "--parts", "linear,attention,moe,sharq",
-           "--impls", "bf16,hf_fp4:nvfp4,emulation_compiled", "--out", str(tmp_path)]
+           "--impls", "bf16,hf_fp4:nvfp4,hf_fp4:mxfp4+bf16gemm,emulation_compiled", "--out", str(tmp_path)]
     env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
     subprocess.run(cmd, check=True, cwd=ROOT, env=env, capture_output=True, timeout=600)
     results = json.loads(next(tmp_path.glob("results-*.json")).read_text())
     assert results["command"].startswith("python ") and "--quick" in results["command"]
-    assert {r["impl"] for r in results["linear"]} == {"bf16", "hf_fp4:nvfp4", "emulation_compiled"}
+    linear = {"bf16", "hf_fp4:nvfp4", "hf_fp4:mxfp4+bf16gemm", "emulation_compiled"}
+    assert {r["impl"] for r in results["linear"]} == linear
     attention = {"sdpa", "hf_fp4:nvfp4:reference"} | ({"hf_fp4:nvfp4:triton"} if torch.cuda.is_available() else set())
     assert {r["impl"] for r in results["attention"]} == attention  # (no Triton on a CPU without its interpreter)
     assert {r["impl"] for r in results["moe"]} == {"bf16:grouped_mm", "bf16:eager", "hf_fp4:nvfp4"}

@@ -66,7 +66,8 @@ def composed_forward(module, layers, x, index, weights):
 
 
 CASES = [(a, r, "reference") for a in sorted(ARCHS) for r in ("nvfp4", "mxfp4", "ufp4")] + [
-    ("qwen3_moe", "nvfp4", "triton"), ("mixtral", "mxfp4", "triton")]  # the fast path (interpreted on the CPU)
+    ("qwen3_moe", "nvfp4", "triton"), ("mixtral", "mxfp4", "triton"),  # the fast path (interpreted on the CPU)
+    ("mixtral", "mxfp4+bf16gemm", "triton")]  # set_fp8_gemms(model, False): the MX GEMMs in the BF16 form
 
 
 @pytest.mark.parametrize("arch,recipe,backend", CASES)
@@ -74,15 +75,20 @@ def test_experts_layer_equals_per_expert_fp4_linears(arch, recipe, backend):
     """Output, input gradient and every expert's weight gradients equal a loop over FP4Linear layers with the
     experts' names: per-expert scales, seeds and SR streams, over two training calls."""
     dev = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+    recipe, _, variant = recipe.partition("+")
     model = moe_model(arch, recipe).to(dev)
     name, module = next(iter(experts_modules(model).items()))
     state = module.hf_fp4
     state.backend = backend
+    if variant:
+        hf_fp4.set_fp8_gemms(model, False)
+        assert state.plans["triton"].forms == ("bf16", "bf16", "bf16")
     assert model.config._experts_implementation == "hf_fp4" and state.recipe == preset(recipe).linear
     layers = per_expert_layers(module, state)
     for pair in layers:
         for lin in pair:
             lin.to(dev).backend = backend
+            lin.fp8_gemms = not variant
     up = "gate_up_proj" if module.has_gate else "up_proj"
     for call in range(2):
         x = torch.randn(24, 64, generator=torch.Generator().manual_seed(call)).to(dev).requires_grad_()
@@ -240,3 +246,14 @@ def test_the_packed_export_stores_each_expert_and_reloads_to_the_same_logits(tmp
     reloaded.eval()
     with torch.no_grad():
         assert torch.equal(reloaded(ids).logits, logits)
+
+
+def test_set_fp8_gemms_moves_every_linear_and_experts_module_and_back():
+    model = moe_model("mixtral", "mxfp4")
+    linears, experts = hf_fp4.fp4_modules(model), experts_states(model)
+    assert hf_fp4.set_fp8_gemms(model, False) == len(linears) + len(experts) and len(experts) > 0
+    forms = [m._plans["triton"].forms for m in linears.values()] + [s.plans["triton"].forms for s in experts.values()]
+    assert set(forms) == {("bf16", "bf16", "bf16")}
+    hf_fp4.set_fp8_gemms(model, True)
+    forms = [m._plans["triton"].forms for m in linears.values()] + [s.plans["triton"].forms for s in experts.values()]
+    assert set(forms) == {("fp8", "fp8", "fp8")}

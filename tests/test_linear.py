@@ -301,7 +301,20 @@ def test_fast_path_products_with_a_ragged_token_count(name):
     check_products(name, "triton", 50)
 
 
-def check_products(name, backend, tokens):
+@pytest.mark.parametrize("name", ["mxfp4", "mxfp4_dh", "tib"])
+def test_mx_gemms_on_the_bf16_tensor_cores_equal_the_float64_products(name):
+    """fp8_gemms=False: the MX family's three GEMMs take the BF16 form (E2M1 x 2^e exact in BF16, FP32
+    accumulation, no lost blocks to correct) and still equal the float64 products of the spec's operands."""
+    pytest.importorskip("hf_fp4.kernels.operand")
+    _, layer = make_layer(name)
+    assert layer._plans["triton"].forms == ("fp8", "fp8", "fp8")
+    layer.fp8_gemms = False
+    assert layer._plans["triton"].forms == ("bf16", "bf16", "bf16")
+    assert layer._plans["reference"].forms == ("fp32", "fp32", "fp32")
+    check_products(name, "triton", T, fp8_gemms=False)
+
+
+def check_products(name, backend, tokens, fp8_gemms=True):
     """What the layer computes (y, dx, dW), against products of operands built from the spec: within FP32
     accumulation error, elementwise.  The triton backend runs the operand kernels (interpreted on CPU) and
     the exact FP8 / BF16 GEMMs; the planted blocks lie beyond E4M3's range (FP8 recipes recompute them)."""
@@ -311,6 +324,7 @@ def check_products(name, backend, tokens):
     _, layer = make_layer(name, seed=4)
     layer = layer.to(dev)
     layer.backend = backend
+    layer.fp8_gemms = fp8_gemms
     with torch.no_grad():
         layer.weight[:, :32] *= 2.0**20  # W's rows: a block 20 binades above the rest (lost in FP8)
     x, dy = (t[:tokens].to(dev) for t in inputs(seed=5))

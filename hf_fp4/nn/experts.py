@@ -45,6 +45,7 @@ class ExpertsFP4:
         self.recipe, self.name, self.seed = recipe, name, seed
         self.backend = "auto"  # as FP4Linear's: the Triton operand kernels and exact GEMMs on CUDA, per expert
         self.packed_rows: dict[str, int] = {}  # while a packed export loads: each projection's output rows
+        self.fp8_gemms = True  # as FP4Linear.fp8_gemms (set_fp8_gemms rebuilds the plans)
         self.freeze(False)
         self.projections = projections
         self._bases = torch.tensor([[seed_bases(seed, f"{name}.{p}.{e}") for e in range(num_experts)]
@@ -56,7 +57,7 @@ class ExpertsFP4:
     def freeze(self, frozen: bool) -> None:
         """frozen: a packed export's 3D weights hold each expert's stored fprop operand (inference)."""
         self.frozen = frozen
-        self.plans = {b: LinearPlan.build(self.recipe, b, frozen) for b in ("reference", "triton")}
+        self.plans = {b: LinearPlan.build(self.recipe, b, frozen, self.fp8_gemms) for b in ("reference", "triton")}
 
     def plan(self, t: torch.Tensor) -> LinearPlan:
         if self.backend not in BACKENDS:

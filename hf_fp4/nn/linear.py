@@ -92,6 +92,7 @@ class FP4Linear(nn.Linear):
 
     def _setup(self, recipe: LinearRecipe, name: str, seed: int) -> None:
         self._frozen_weight = False
+        self._fp8_gemms = True  # the MX family on the FP8 tensor cores (see fp8_gemms)
         self.recipe = recipe
         self.layer_name = name
         self.seed = seed
@@ -131,8 +132,20 @@ class FP4Linear(nn.Linear):
         self._frozen_weight = bool(value)
         self._build_plans()
 
+    @property
+    def fp8_gemms(self) -> bool:
+        """True (default): the MX family's GEMMs run on the FP8 tensor cores; False: on the BF16 ones, with FP32
+        accumulation (slower; the FP8 MMA accumulates with fewer bits).  Operands are the same either way."""
+        return self._fp8_gemms
+
+    @fp8_gemms.setter
+    def fp8_gemms(self, value: bool) -> None:
+        self._fp8_gemms = bool(value)
+        self._build_plans()
+
     def _build_plans(self) -> None:
-        self._plans = {b: LinearPlan.build(self._recipe, b, self._frozen_weight) for b in ("reference", "triton")}
+        self._plans = {b: LinearPlan.build(self._recipe, b, self._frozen_weight, self._fp8_gemms)
+                       for b in ("reference", "triton")}
         self._plans["graphs"] = dataclasses.replace(self._plans["triton"], triton_ops=False)
 
     # ------------------------------------------------------------------------------------------

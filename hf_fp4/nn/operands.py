@@ -231,14 +231,17 @@ class LinearPlan:
         return any(p is not None and p.stochastic for p in getattr(self, tensor))
 
     @classmethod
-    def build(cls, recipe: LinearRecipe, backend: str, frozen_weight: bool = False) -> "LinearPlan":
-        """backend: "reference" (FP32 fake quantization) or "triton" (fast forms)."""
+    def build(cls, recipe: LinearRecipe, backend: str, frozen_weight: bool = False,
+              fp8_gemms: bool = True) -> "LinearPlan":
+        """backend: "reference" (FP32 fake quantization) or "triton" (fast forms).  fp8_gemms=False runs the MX
+        family's GEMMs on the BF16 tensor cores instead of the FP8 ones: the same operands (E2M1 x 2^e is exact
+        in BF16), FP32 accumulation; the FP8 MMA of Hopper accumulates with fewer bits (README, GPU)."""
         if backend not in ("reference", "triton"):
             raise ValueError(f"unknown backend {backend!r}; valid: reference, triton")
         plans, forms = {}, []
         for gname in ("fprop", "dgrad", "wgrad"):
             g: GemmSpec = recipe.gemm(gname)
-            form = _form(g, backend, frozen_weight and gname == "fprop")
+            form = _form(g, backend, frozen_weight and gname == "fprop", fp8_gemms)
             forms.append(form)
             k_align = max([16, g.hadamard.size if g.hadamard.enabled else 1] +
                           [s.block[1] for s in (g.lhs, g.rhs) if s is not None])
@@ -259,11 +262,11 @@ class LinearPlan:
                    keys=keys)
 
 
-def _form(g: GemmSpec, backend: str, frozen: bool) -> str:
+def _form(g: GemmSpec, backend: str, frozen: bool, fp8_gemms: bool = True) -> str:
     if not g.quantized and not g.hadamard.enabled:
         return "hp"
     if backend == "reference" or frozen or g.lhs is None or g.rhs is None:
         return "fp32"
     if ScaleRule.FP32 in (g.lhs.scale, g.rhs.scale):
         return "fp32"
-    return "fp8" if fp8_capable(g.lhs) and fp8_capable(g.rhs) else "bf16"
+    return "fp8" if fp8_gemms and fp8_capable(g.lhs) and fp8_capable(g.rhs) else "bf16"

@@ -89,6 +89,18 @@ def run_gemms_in_bf16(model: nn.Module, gemms: tuple[str, ...], base: dict[str, 
         m.recipe = base[name].with_options(gemms=tuple(g for g in GEMMS if g not in gemms))
 
 
+def set_fp8_gemms(model: nn.Module, enabled: bool) -> int:
+    """Run the MX family's GEMMs of every FP4 linear and experts module on the FP8 tensor cores (True, the
+    default) or on the BF16 ones with FP32 accumulation (False); returns how many modules were set."""
+    linears, experts = fp4_modules(model), experts_states(model)
+    for m in linears.values():
+        m.fp8_gemms = enabled
+    for state in experts.values():
+        state.fp8_gemms = bool(enabled)
+        state.freeze(state.frozen)
+    return len(linears) + len(experts)
+
+
 def _rng_modules(model: nn.Module) -> dict:
     """Everything with an SR / random-Hadamard call counter: FP4 linears and FP4 experts."""
     return {**fp4_modules(model), **experts_states(model)}

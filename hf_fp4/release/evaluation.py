@@ -119,6 +119,9 @@ def run_lm_eval(model, tokenizer, tasks: list[str], limit: int | None = None, ba
                 clean[name] = float(value)
         if stderr:
             clean["stderr"] = stderr
+        counted = out.get("n-samples", {}).get(task)
+        if counted:  # items scored (after --limit) and in the whole split
+            clean["items"] = {"scored": int(counted["effective"]), "available": int(counted["original"])}
         results[task.removeprefix(PREFIX)] = clean
     return results
 

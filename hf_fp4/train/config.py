@@ -56,6 +56,7 @@ class TrainConfig:
     compile: Any = "auto"                         # torch.compile each decoder block: auto (on GPU) | true | false
     compile_mode: str = "auto"                    # auto (CUDA graphs on GPU) | default | reduce-overhead | max-autotune...
     compile_backend: str = "inductor"             # inductor | aot_eager (debugging: same numerics as eager)
+    fp8_gemms: bool = True                        # MX-family GEMMs on the FP8 tensor cores; false: BF16, FP32 accum.
     # bookkeeping
     output_dir: str = "runs/default"
     eval_every: int = 50
@@ -71,7 +72,7 @@ class TrainConfig:
 
     def validate(self) -> None:
         choices = {"schedule": ("cosine", "wsd", "constant"), "mixed_precision": ("auto", "bf16", "no"),
-                   "compile": ("auto", True, False),
+                   "compile": ("auto", True, False), "fp8_gemms": (True, False),
                    "compile_mode": MODES, "compile_backend": COMPILE_BACKENDS}
         for key, valid in choices.items():
             if getattr(self, key) not in valid:

@@ -27,7 +27,7 @@ import yaml
 
 from ..nn.compile import compile_model, uses_cuda_graphs
 from ..nn import lora_svd
-from ..nn.swap import fp4_modules, load_rng_state_dict, rng_state_dict, run_gemms_in_bf16
+from ..nn.swap import fp4_modules, load_rng_state_dict, rng_state_dict, run_gemms_in_bf16, set_fp8_gemms
 from ..files import atomic_write_text, replace_dir
 from .data import TokenWindows, fingerprint, prepare_data
 from ..nn.diagnostics import locate_non_finite
@@ -294,6 +294,7 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> di
                               step_scheduler_with_optimizer=False)
     set_seed(cfg.seed)
     model = build_model(cfg, data.vocab_size)
+    set_fp8_gemms(model, cfg.fp8_gemms)
     compiled = cfg.compile is True or (cfg.compile == "auto" and torch.cuda.is_available())
     if compiled:
         compile_model(model, cfg.compile_mode, cfg.compile_backend)
