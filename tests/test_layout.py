@@ -1,6 +1,6 @@
 """Dependencies point one way, down the layers of the house (README, "How it fits together"):
 
-    files, extras  <-  numerics  <-  kernels  <-  nn, optim  <-  hf  <-  train  <-  release  <-  hf_fp4, cli
+    files, extras  <-  numerics  <-  kernels  <-  nn  <-  optim  <-  hf  <-  train  <-  release  <-  hf_fp4, cli
 
 A module imports only modules of its own layer or below, deferred imports included, and the imports among all
 modules form no cycle -- so no deferred import hides one."""
@@ -8,7 +8,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-LAYERS = [{"files", "extras"}, {"numerics"}, {"kernels"}, {"nn", "optim"}, {"hf"}, {"train"}, {"release"},
+LAYERS = [{"files", "extras"}, {"numerics"}, {"kernels"}, {"nn"}, {"optim"}, {"hf"}, {"train"}, {"release"},
           {"__init__", "__main__", "cli"}]
 RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
 

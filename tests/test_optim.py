@@ -1,10 +1,11 @@
 """FP4AdamW: AdamW whose moments are stored in NVFP4 (Full-Stack FP4's optimizer state)."""
+import dataclasses
 import io
 
 import pytest
 import torch
 
-from hf_fp4 import fake_quantize, quantize
+from hf_fp4 import QuantSpec, fake_quantize, quantize
 from hf_fp4.optim import FP4AdamW, state_bytes
 from hf_fp4.numerics.qtensor import expand_blocks
 
@@ -158,3 +159,22 @@ def test_muon_steps_matrices_by_an_orthogonalised_update_and_the_rest_by_adamw()
     torch.testing.assert_close(norm, ref, rtol=1e-6, atol=1e-7)
     with pytest.raises(ValueError, match="Muon groups take 2-D weight matrices only"):
         Muon([{"params": [params(shape=(8,))], "muon": True}])
+
+
+@pytest.mark.parametrize("name", ["nvfp4", "mxfp4"])
+def test_newton_schulz_matmuls_run_on_the_layers_gemm_path(name):
+    """quantized_matmul (Muon's NVFP4 matmul): the reference backend is exactly the product of the reference
+    quantizer's operands in FP32; the fast path (operand kernels, interpreted on the CPU, and the exact BF16 /
+    FP8 GEMM) is within FP32 accumulation error of the float64 product of the same operands."""
+    from exactness import assert_within_accumulation_error
+    from hf_fp4.nn.operands import quantized_matmul
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    a, b = spread((96, 160)).to(dev), spread((160, 80)).to(dev)
+    qa, qbt = fake_quantize(a, name), fake_quantize(b.t().contiguous(), name)
+    assert torch.equal(quantized_matmul(a, b, QuantSpec.preset(name), backend="reference"), qa @ qbt.t())
+    pytest.importorskip("hf_fp4.kernels.operand")
+    fast = quantized_matmul(a, b, QuantSpec.preset(name), backend="triton")
+    assert_within_accumulation_error(fast, qa, qbt, f"{name} quantized_matmul")
+    with pytest.raises(ValueError, match="rounds to nearest"):
+        quantized_matmul(a, b, dataclasses.replace(QuantSpec.preset(name), rounding="stochastic"))

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ..numerics.quantize import fake_quantize
+from ..nn.operands import quantized_matmul
 from ..numerics.spec import QuantSpec, as_spec
 from ._common import _run_closure, _with_grads
 
@@ -16,10 +16,11 @@ NS_ITERATIONS = {"quintic": (3.4445, -4.7750, 2.0315), "cubic": (1.5, -0.5, 0.0)
 
 def _matmul(a: torch.Tensor, b: torch.Tensor, spec: QuantSpec | None) -> torch.Tensor:
     """a [m, k] @ b [k, n]: in BF16, or with both operands quantized along k (blocks of the contraction
-    dimension, as hf_fp4's GEMMs take them) by the reference quantizer and multiplied in FP32."""
+    dimension, as hf_fp4's GEMMs take them) through the linear layers' operand and GEMM path
+    (hf_fp4.nn.operands.quantized_matmul: the kernels and exact fast GEMMs on CUDA, the reference elsewhere)."""
     if spec is None:
         return a.bfloat16() @ b.bfloat16()
-    return fake_quantize(a.float(), spec) @ fake_quantize(b.float().t(), spec).t()
+    return quantized_matmul(a.float(), b.float(), spec)
 
 
 def newton_schulz(g: torch.Tensor, steps: int = 5, spec: "QuantSpec | str | None" = None,
