@@ -91,6 +91,38 @@ def test_gap_table_reports_the_bf16_seed_spread():
     assert "± 0.1000 (2.44% of its mean)" in table
 
 
+def test_claims_get_verdicts_against_the_seed_noise_and_a_beaten_bf16_is_flagged():
+    """worse - better in % of bf16's mean, against the largest half seed range of bf16 / better / worse."""
+    from hf_fp4.train.study import beyond_bf16, claim_verdicts, claims_table
+
+    def rows(label, *values):
+        return [{"label": label, "final_val_loss": v} for v in values]
+
+    results = rows("bf16", 4.00, 4.02) + rows("ufp4", 4.05) + rows("nvfp4", 4.20, 4.22) + rows("tib", 3.90)
+    claims = ({"claim": "uniform beats E2M1", "source": "UFP4", "better": "ufp4", "worse": "nvfp4"},
+              {"claim": "reversed", "better": "nvfp4", "worse": "ufp4"},
+              {"claim": "close", "better": "bf16", "worse": "ufp4"},
+              {"claim": "missing", "better": "mxfp4", "worse": "nvfp4"})
+    v = claim_verdicts(results, claims)
+    assert [x["verdict"] for x in v] == ["reproduced", "contradicted", "reproduced", "not run"]
+    assert v[0]["difference_pct"] == pytest.approx(100 * (4.21 - 4.05) / 4.01, abs=1e-3)
+    assert v[0]["noise_pct"] == pytest.approx(100 * 0.01 / 4.01, abs=1e-3)
+    assert "| uniform beats E2M1 | UFP4 |  | ufp4 / nvfp4 | +3.99% (noise ± 0.25%) | reproduced |" in claims_table(v)
+    within = claim_verdicts(rows("bf16", 4.0, 4.2) + rows("a", 4.25) + rows("b", 4.3),
+                            ({"claim": "c", "better": "a", "worse": "b"},))
+    assert within[0]["verdict"] == "within seed noise"
+    one_seed = claim_verdicts(rows("a", 4.25) + rows("b", 4.3), ({"claim": "c", "better": "b", "worse": "a"},))
+    assert one_seed[0]["verdict"] == "fails (one seed)"
+    assert beyond_bf16(results) == ["tib"]
+
+
+def test_a_claim_naming_no_run_label_fails_at_load(corpus_files, tmp_path):
+    path = write_study(tmp_path, corpus_files, [{"recipe": "bf16"}, {"recipe": "nvfp4"}],
+                       claims=[{"claim": "x", "better": "ufp4", "worse": "nvfp4"}])
+    with pytest.raises(ValueError, match="claims\\[0\\].better='ufp4' is no run label; labels: bf16, nvfp4"):
+        load_study(path, tmp_path)
+
+
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
 

@@ -11,11 +11,15 @@ A study file (configs/study/*.yaml)::
       - {recipe: nvfp4}
       - {label: nvfp4-lora8, recipe: nvfp4, recipe_options: {lora_svd_rank: 8}}
       - {label: nvfp4-late-bf16-fprop, recipe: nvfp4, precision_schedule: [{at: 0.85, bf16: [fprop]}]}
+    claims:                            # the papers' claims, each as "label `better` ends below label `worse`"
+      - {claim: "UFP4's uniform grid beats E2M1", source: "UFP4 (2026)", paper: "lower gap than E2M1",
+         better: ufp4, worse: nvfp4}
 
 Each run entry is a set of TrainConfig keys (plus `label`, default the recipe, and `seeds`); every run's
 config is validated before the first one starts.  `run_study` tokenises each dataset the runs need once,
 then runs them as `python -m hf_fp4 pretrain` subprocesses, several at once (one GPU each when GPUs are
-given), skipping finished runs and resuming interrupted ones; `summarize` writes results.json, table.md (gap to bf16 with the bf16 seed spread) and
+given), skipping finished runs and resuming interrupted ones; `summarize` writes results.json, table.md (gap to bf16
+with the bf16 seed spread, each claim's verdict, and the labels that beat bf16 by more than its seed spread) and
 the plots into the study folder.
 """
 from __future__ import annotations
@@ -39,7 +43,8 @@ from .data import prepare_data
 from ..extras import optional, require
 from .config import TrainConfig
 
-STUDY_KEYS = {"name", "base", "overrides", "seeds", "runs"}
+STUDY_KEYS = {"name", "base", "overrides", "seeds", "runs", "claims"}
+CLAIM_KEYS = {"claim", "source", "paper", "better", "worse"}
 
 
 @dataclass(frozen=True)
@@ -55,6 +60,7 @@ class StudyRun:
 class Study:
     name: str
     runs: tuple[StudyRun, ...]
+    claims: tuple[dict, ...] = ()
 
 
 def _merge(base: dict, extra: dict) -> dict:
@@ -100,7 +106,21 @@ def load_study(path: str | Path, out: str | Path) -> Study:
             except (ValueError, FileNotFoundError) as err:
                 raise type(err)(f"{path}: run {name}: {err}") from err
             runs.append(StudyRun(name, label, seed, config, replica))
-    return Study(str(spec.get("name") or path.stem), tuple(runs))
+    return Study(str(spec.get("name") or path.stem), tuple(runs), _claims(path, spec.get("claims") or [], runs))
+
+
+def _claims(path: Path, claims: list, runs: list[StudyRun]) -> tuple[dict, ...]:
+    """Validate the `claims` entries: the keys, and that `better` and `worse` name labels of the study."""
+    labels = sorted({r.label for r in runs})
+    out = []
+    for i, c in enumerate(claims):
+        if not isinstance(c, dict) or set(c) - CLAIM_KEYS or not {"claim", "better", "worse"} <= set(c):
+            raise ValueError(f"{path}: claims[{i}] must be a mapping with claim, better, worse (and source, paper)")
+        for key in ("better", "worse"):
+            if c[key] not in labels:
+                raise ValueError(f"{path}: claims[{i}].{key}={c[key]!r} is no run label; labels: {', '.join(labels)}")
+        out.append(dict(c))
+    return tuple(out)
 
 
 RESULT = "result.json"  # written by run_study when a run exits cleanly: the run's row of results.json
@@ -231,14 +251,79 @@ def gap_table(results: list[dict]) -> str:
     return "\n".join(lines) + "\n" + note
 
 
+def _spread(runs: list[dict]) -> float | None:
+    """Half the range of a label's final validation losses over its seeds (None for one seed)."""
+    vals = [r["final_val_loss"] for r in runs]
+    return (max(vals) - min(vals)) / 2 if len(vals) > 1 else None
+
+
+def claim_verdicts(results: list[dict], claims: tuple[dict, ...]) -> list[dict]:
+    """Each claim "`better` ends below `worse`" against the measured means: the difference (worse - better,
+    in % of bf16's mean) and a verdict -- reproduced / contradicted beyond the seed noise (the largest half
+    seed range of bf16, better and worse), within it, "holds / fails (one seed)" where no label has two
+    seeds yet, or "not run"."""
+    groups = _by_label(results)
+    base = groups.get("bf16")
+    base_mean = statistics.mean(r["final_val_loss"] for r in base) if base else None
+    out = []
+    for c in claims:
+        row = {**c, "difference_pct": None, "verdict": "not run"}
+        if c["better"] in groups and c["worse"] in groups:
+            mean = {k: statistics.mean(r["final_val_loss"] for r in groups[c[k]]) for k in ("better", "worse")}
+            ref = base_mean or mean["worse"]
+            diff = 100 * (mean["worse"] - mean["better"]) / ref
+            spreads = [s for s in (_spread(groups[c["better"]]), _spread(groups[c["worse"]]),
+                                   _spread(base) if base else None) if s is not None]
+            noise = 100 * max(spreads) / ref if spreads else None
+            if noise is None:
+                verdict = "holds (one seed)" if diff > 0 else "fails (one seed)"
+            else:
+                verdict = "reproduced" if diff > noise else "contradicted" if diff < -noise else "within seed noise"
+            row.update(difference_pct=round(diff, 3), noise_pct=None if noise is None else round(noise, 3),
+                       verdict=verdict)
+        out.append(row)
+    return out
+
+
+def claims_table(verdicts: list[dict]) -> str:
+    lines = ["| claim | source | paper | better / worse | ours: worse - better (% of bf16) | verdict |",
+             "|---|---|---|---|---|---|"]
+    for v in verdicts:
+        ours = "-" if v["difference_pct"] is None else f"{v['difference_pct']:+.2f}%" + (
+            f" (noise ± {v['noise_pct']:.2f}%)" if v.get("noise_pct") is not None else "")
+        lines.append(f"| {v['claim']} | {v.get('source', '')} | {v.get('paper', '')} | {v['better']} / {v['worse']} "
+                     f"| {ours} | {v['verdict']} |")
+    return "\n".join(lines) + "\n"
+
+
+def beyond_bf16(results: list[dict]) -> list[str]:
+    """Labels whose mean final validation loss is below bf16's by more than bf16's seed spread: a 4-bit recipe
+    should not beat bf16, so each needs an explanation (issue 11)."""
+    groups = _by_label(results)
+    base, spread = groups.get("bf16"), _spread(groups.get("bf16") or [])
+    if not base or spread is None:
+        return []
+    base_mean = statistics.mean(r["final_val_loss"] for r in base)
+    return [label for label, runs in groups.items() if label != "bf16"
+            and statistics.mean(r["final_val_loss"] for r in runs) < base_mean - spread]
+
+
 def summarize(study: Study, out: str | Path) -> dict:
     """results.json, table.md and (with matplotlib) val_curves.png and gaps.png in `out`."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     results = [r for r in (_run_result(run) for run in study.runs) if r is not None]
-    summary = {"study": study.name, "runs": results}
+    verdicts = claim_verdicts(results, study.claims)
+    beating = beyond_bf16(results)
+    summary = {"study": study.name, "runs": results, "claims": verdicts, "beyond_bf16_spread": beating}
     (out / "results.json").write_text(json.dumps(summary, indent=1))
-    (out / "table.md").write_text(f"# Study {study.name}\n\n" + gap_table(results))
+    text = f"# Study {study.name}\n\n" + gap_table(results)
+    if beating:
+        text += ("\n**Below bf16 by more than its seed spread** (a 4-bit recipe should not be; explain or report "
+                 f"unexplained): {', '.join(beating)}\n")
+    if verdicts:
+        text += "\n## Claims\n\n" + claims_table(verdicts)
+    (out / "table.md").write_text(text)
     if results and optional("matplotlib", "plot", "the study's plots"):
         _plot(results, out)
     return summary
