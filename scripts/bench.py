@@ -491,11 +491,67 @@ def bench_sharq(dev, quick, results):
                     ["K x N"] + list(traffic), rows)
 
 
+OPTIMIZERS = (("adamw", {}), ("fp4_adamw", {}), ("muon", {}),
+              ("muon", {"ns_spec": "nvfp4", "ns_iteration": "cubic", "ns_steps": 12}))
+
+
+def bench_optim(dev, quick, results):
+    """Issue 12's optimizer costs on bench-50m's model (tiny with --quick): bytes of optimizer state, peak device
+    memory of a train step (GPU only) and the step time, for AdamW (FP32 state), FP4AdamW, Muon in BF16 and with
+    NVFP4 Newton-Schulz -- one model per optimizer, the same bf16 forward/backward."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from hf_fp4.optim import build_optimizer, state_bytes
+
+    model_cfg, cfg = bench50m_model()
+    kwargs = {k: v for k, v in model_cfg.items() if k != "model_type"}
+    kwargs["vocab_size"] = int(cfg["vocab_size"])
+    batch, seq = (2, 64) if quick else (int(cfg["batch_size"]), int(cfg["seq_len"]))
+    if quick:
+        kwargs.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=256)
+    rows = []
+    for name, options in OPTIMIZERS:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(LlamaConfig(**kwargs)).to(dev)
+        hidden = [p for n, p in model.named_parameters() if p.dim() == 2 and "embed" not in n and "lm_head" not in n]
+        rest = [p for p in model.parameters() if id(p) not in {id(h) for h in hidden}]
+        groups = [{"params": hidden, "muon": True}, {"params": rest}] if name == "muon" else [
+            {"params": list(model.parameters())}]
+        opt = build_optimizer(name, groups, 1e-3, (0.9, 0.95), dict(options))
+        ids = [(torch.randint(0, kwargs["vocab_size"], (batch, seq), device=dev),) for _ in range(3)]
+
+        def step(x, model=model, opt=opt):
+            with torch.autocast(dev, dtype=torch.bfloat16, enabled=dev == "cuda"):
+                model(input_ids=x, labels=x, use_cache=False).loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        step(*ids[0])  # the state exists from the first step on
+        if dev == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        ms = timed(step, ids, warmup=1, reps=3 if quick else 10)
+        peak = torch.cuda.max_memory_allocated() / 2**20 if dev == "cuda" else None
+        n_params = sum(p.numel() for p in model.parameters())
+        label = name + ("+nvfp4_ns" if options.get("ns_spec") else "")
+        results.setdefault("optim", []).append({"model": "bench-50m" if not quick else "tiny", "impl": label,
+                                                "state_bytes_per_param": round(state_bytes(opt) / n_params, 4),
+                                                "peak_mib": None if peak is None else round(peak, 1),
+                                                "step_ms": round(ms, 3)})
+        rows.append([label, f"{state_bytes(opt) / n_params:.3f}", "-" if peak is None else f"{peak:,.0f}",
+                     f"{ms:.2f}"])
+        del model, opt
+        torch.cuda.empty_cache() if dev == "cuda" else None
+    return md_table(f"Optimizers on bench-50m's model ({batch} x {seq} tokens a step, bf16 autocast on GPU)",
+                    ["optimizer", "state bytes / parameter", "peak MiB", "step ms"], rows)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parts", default="quant,linear,e2e",
                         help="comma list of quant, linear, linear_spread (inputs with a trained model's spread of "
-                             "magnitudes), e2e, e2e50m, attention, moe, sharq")
+                             "magnitudes), e2e, e2e50m, attention, moe, sharq, optim")
     parser.add_argument("--quick", action="store_true", help="tiny sizes (a CPU smoke test of the script)")
     parser.add_argument("--out", default="benchmarks", help="folder for results-<date>.{json,md}")
     parser.add_argument("--impls", default=None, help="comma list restricting the linear / e2e impls")
@@ -568,6 +624,9 @@ def main():
         write(results, stem, "\n".join(text))
     if "sharq" in parts:
         text.append(bench_sharq(dev, args.quick, results))
+        write(results, stem, "\n".join(text))
+    if "optim" in parts:
+        text.append(bench_optim(dev, args.quick, results))
         write(results, stem, "\n".join(text))
     if "moe" in parts:
         presets = [p for p in FP4_PRESETS if args.impls is None or f"hf_fp4:{p}" in args.impls.split(",")]

@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_bench_quick_parts_write_every_row(tmp_path):
-    cmd = [sys.executable, str(ROOT / "scripts" / "bench.py"), "--quick", "--parts", "linear,attention,moe,sharq",
+    cmd = [sys.executable, str(ROOT / "scripts" / "bench.py"), "--quick", "--parts", "linear,attention,moe,sharq,optim",
            "--impls", "bf16,hf_fp4:nvfp4,hf_fp4:mxfp4+bf16gemm,emulation_compiled", "--out", str(tmp_path)]
     env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
     subprocess.run(cmd, check=True, cwd=ROOT, env=env, capture_output=True, timeout=600)
@@ -24,4 +24,8 @@ def test_bench_quick_parts_write_every_row(tmp_path):
     assert {r["impl"] for r in results["moe"]} == {"bf16:grouped_mm", "bf16:eager", "hf_fp4:nvfp4"}
     assert {r["impl"] for r in results["sharq"]} == {"bf16", "hf_fp4:nvfp4", "hf_fp4:nvfp4+sharq"}
     assert all(r["ms"] > 0 for part in ("linear", "attention", "moe", "sharq") for r in results[part])
+    optim = {r["impl"]: r for r in results["optim"]}
+    assert set(optim) == {"adamw", "fp4_adamw", "muon", "muon+nvfp4_ns"}
+    assert all(r["step_ms"] > 0 for r in optim.values())
+    assert optim["fp4_adamw"]["state_bytes_per_param"] < optim["adamw"]["state_bytes_per_param"]
     assert next(tmp_path.glob("results-*.md")).read_text().count("|---") >= 4

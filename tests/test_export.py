@@ -176,6 +176,7 @@ def test_evaluate_and_model_card(trained, tmp_path):
     assert set(res["results"]) == {"sciq", "arc_easy"}
     assert 0 <= res["results"]["sciq"]["acc"] <= 1 and "acc_norm" in res["results"]["arc_easy"]
     sciq = res["results"]["sciq"]  # 8 items: the closed-form standard error of a mean of 0/1 scores
+    assert sciq["items"] == {"scored": 8, "available": 1000}  # lm-eval's n-samples: the protocol in the results
     assert sciq["stderr"]["acc"] == pytest.approx((sciq["acc"] * (1 - sciq["acc"]) / 7) ** 0.5)
     assert f"{sciq['acc_norm']:.4f} ± {sciq['stderr']['acc_norm']:.4f}" in out.with_suffix(".md").read_text()
     done = subprocess.run([sys.executable, str(ROOT / "scripts" / "export.py"), "--model", str(trained["ufp4"]),

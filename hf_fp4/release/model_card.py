@@ -40,7 +40,7 @@ def model_index(name: str, results: dict | None) -> list[dict]:
         entries.append({"task": {"type": "text-generation"},
                         "dataset": {"name": task, "type": task},
                         "metrics": [{"type": k, "value": round(v, 6), "name": f"{task} {k}"}
-                                    for k, v in metrics.items() if k != "stderr"]})
+                                    for k, v in metrics.items() if isinstance(v, (int, float))]})  # not stderr / items
     return [{"name": name, "results": entries}]
 
 
