@@ -12,59 +12,14 @@ byte-wide shared-memory stores on its layout conversions -- where to point ncu f
 """
 import argparse
 import collections
-import dataclasses
-import inspect
 import re
+import sys
 from pathlib import Path
 
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from hopper_compile import OPERAND_CASES, compile_for_hopper, operand_kernel_args  # noqa: E402
 
-from hf_fp4 import QuantSpec
-from hf_fp4.kernels import operand as K
-from hf_fp4.numerics.operand_plan import OperandPlan
-
-SIZES = ("R", "C", "s_r", "a_rows", "a_cols", "b_rows", "b_cols", "a_kp", "b_kp")
-
-
-def plan(name: str, form: str, hadamard: int = 0, signed: bool = False, sr: bool = False) -> OperandPlan:
-    spec = QuantSpec.preset(name)
-    if sr:
-        spec = dataclasses.replace(spec, rounding="stochastic")
-    return OperandPlan(spec, hadamard, signed, form, max(16, spec.block[1], hadamard))
-
-
-CASES = {
-    "mxfp4-rows-fp8": (plan("mxfp4", "fp8"), None),
-    "mxfp4-both-fp8": (plan("mxfp4", "fp8"), plan("mxfp4", "fp8")),
-    "nvfp4-rows-bf16": (plan("nvfp4", "bf16"), None),
-    "nvfp4-cols-bf16": (None, plan("nvfp4", "bf16")),
-    "nvfp4-both-bf16-sr-rht16": (plan("nvfp4", "bf16"), plan("nvfp4", "bf16", 16, True, True)),
-}
-
-
-def pointer_types(a: OperandPlan | None, b: OperandPlan | None) -> dict[str, str]:
-    types = {"t_ptr": "*bf16", "mu_ptr": "*fp32"}
-    for prefix, p in (("a_", a), ("b_", b)):
-        fp8 = p is not None and p.form == "fp8"
-        types.update({prefix + "out": "*u8" if fp8 else "*bf16", prefix + "stat": "*fp32",
-                      prefix + "scale": "*fp32", prefix + "seed": "*i64", prefix + "signs": "*fp32",
-                      prefix + "side": "*u8", prefix + "eb": "*i8", prefix + "flags": "*i8"})
-    return types
-
-
-def compile_variant(a, b):
-    (br, bc, warps, *reload), _, consts, _ = K._launch_config((a, b), None)
-    constexprs = dict(BR=br, BC=bc, HAS_MU=False, EVEN=True, INTERPRETED=False, RELOAD=bool(reload and reload[0]),
-                      s_c=1, **consts)
-    params = list(inspect.signature(K._operand_kernel.fn).parameters)
-    types = pointer_types(a, b)
-    signature = {p: "constexpr" if p in constexprs else types.get(p, "i32") for p in params}
-    divisible = {(params.index(p),): [["tt.divisibility", 16]] for p in params
-                 if p not in constexprs and (signature[p].startswith("*") or p in SIZES)}
-    src = ASTSource(K._operand_kernel, signature, {(params.index(p),): v for p, v in constexprs.items()}, divisible)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}), (br, bc, warps)
+from hf_fp4.kernels import operand as K  # noqa: E402
 
 
 def accesses(ptx: str) -> dict[str, int]:
@@ -81,8 +36,10 @@ def main():
     args = parser.parse_args()
     print("| variant | tile (rows x cols, warps) | shared B | barriers | accesses |")
     print("|---|---|---|---|---|")
-    for label, (a, b) in CASES.items():
-        compiled, (br, bc, warps) = compile_variant(a, b)
+    for label, (a, b) in OPERAND_CASES.items():
+        types, constexprs, warps, divisible = operand_kernel_args(a, b)
+        compiled = compile_for_hopper(K._operand_kernel, types, constexprs, warps, divisible)
+        br, bc = constexprs["BR"], constexprs["BC"]
         ptx = compiled.asm["ptx"]
         if args.out:
             Path(args.out).mkdir(parents=True, exist_ok=True)

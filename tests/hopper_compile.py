@@ -4,6 +4,7 @@
     python tests/hopper_compile.py        # one line per variant, "ok" or "FAIL ...", then the failure count
 
 tests/test_kernels_compile.py runs it in a subprocess."""
+import dataclasses
 import inspect
 import sys
 
@@ -12,17 +13,57 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from hf_fp4 import QuantSpec
-from hf_fp4.kernels import attention, sharq
+from hf_fp4.kernels import attention, operand, sharq
 from hf_fp4.kernels.numerics import grid_constants
 from hf_fp4.kernels.quant import SCALE_CODES
+from hf_fp4.numerics.operand_plan import OperandPlan
 
 
-def compile_for_hopper(kernel, types: dict, constexprs: dict, num_warps: int = 4):
+def compile_for_hopper(kernel, types: dict, constexprs: dict, num_warps: int = 4, divisible=()):
+    """sm_90 PTX and cubin; `divisible`: the arguments the GPU's JIT would mark divisible by 16 (pointers and
+    sizes of an aligned launch), so that the code is the one the GPU runs."""
     params = list(inspect.signature(kernel.fn).parameters)
     signature = {p: ("constexpr" if p in constexprs else types.get(p, "i32")) for p in params}
     values = {(params.index(p),): v for p, v in constexprs.items()}
-    return triton.compile(ASTSource(kernel, signature, values), target=GPUTarget("cuda", 90, 32),
+    attrs = {(params.index(p),): [["tt.divisibility", 16]] for p in divisible}
+    return triton.compile(ASTSource(kernel, signature, values, attrs), target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": num_warps})
+
+
+def operand_plan(name: str, form: str, hadamard: int = 0, signed: bool = False, sr: bool = False) -> OperandPlan:
+    spec = QuantSpec.preset(name)
+    if sr:
+        spec = dataclasses.replace(spec, rounding="stochastic")
+    return OperandPlan(spec, hadamard, signed, form, max(16, spec.block[1], hadamard))
+
+
+#: The operand kernel's main variants (x of an MX recipe both ways, NVFP4 rows / columns / both with SR + RHT).
+OPERAND_CASES = {
+    "mxfp4-rows-fp8": (operand_plan("mxfp4", "fp8"), None),
+    "mxfp4-both-fp8": (operand_plan("mxfp4", "fp8"), operand_plan("mxfp4", "fp8")),
+    "mxfp4-both-bf16": (operand_plan("mxfp4", "bf16"), operand_plan("mxfp4", "bf16")),
+    "nvfp4-rows-bf16": (operand_plan("nvfp4", "bf16"), None),
+    "nvfp4-cols-bf16": (None, operand_plan("nvfp4", "bf16")),
+    "nvfp4-both-bf16-sr-rht16": (operand_plan("nvfp4", "bf16"), operand_plan("nvfp4", "bf16", 16, True, True)),
+}
+SIZES = ("R", "C", "s_r", "a_rows", "a_cols", "b_rows", "b_cols", "a_kp", "b_kp")
+
+
+def operand_kernel_args(a: OperandPlan | None, b: OperandPlan | None):
+    """(types, constexprs, warps, divisible) of the operand kernel for a contiguous, 16-aligned launch (the
+    column stride a constant 1, as the JIT specialises it)."""
+    (br, bc, warps, *reload), _, consts, _ = operand._launch_config((a, b), None)
+    constexprs = dict(BR=br, BC=bc, HAS_MU=False, EVEN=True, INTERPRETED=False, RELOAD=bool(reload and reload[0]),
+                      s_c=1, **consts)
+    types = {"t_ptr": "*bf16", "mu_ptr": "*fp32"}
+    for prefix, p in (("a_", a), ("b_", b)):
+        fp8 = p is not None and p.form == "fp8"
+        types.update({prefix + "out": "*u8" if fp8 else "*bf16", prefix + "stat": "*fp32",
+                      prefix + "scale": "*fp32", prefix + "seed": "*i64", prefix + "signs": "*fp32",
+                      prefix + "side": "*u8", prefix + "eb": "*i8", prefix + "flags": "*i8"})
+    params = inspect.signature(operand._operand_kernel.fn).parameters
+    divisible = [p for p in params if p not in constexprs and (types.get(p, "").startswith("*") or p in SIZES)]
+    return types, constexprs, warps, divisible
 
 
 def quant_constants(name: str) -> dict:
@@ -49,6 +90,9 @@ def backward_cases():
 
 
 def cases():
+    for label, (a, b) in OPERAND_CASES.items():
+        types, constexprs, warps, divisible = operand_kernel_args(a, b)
+        yield f"operand-{label}", operand._operand_kernel, types, constexprs, warps, divisible
     for tc, t in ((True, "*bf16"), (False, "*fp32")):
         types = {"q_ptr": t, "k_ptr": t, "v_ptr": t, "dec_ptr": "*fp32", "keep_ptr": "*i8", "o_ptr": "*fp32",
                  "scale": "fp32"}
@@ -68,9 +112,9 @@ def cases():
 
 def main() -> int:
     failures = 0
-    for label, kernel, types, constexprs in cases():
+    for label, kernel, types, constexprs, *launch in cases():
         try:
-            compiled = compile_for_hopper(kernel, types, constexprs)
+            compiled = compile_for_hopper(kernel, types, constexprs, *launch)
             assert ".target sm_90" in compiled.asm["ptx"]
             print("ok", label, flush=True)
         except Exception as err:  # noqa: BLE001  (report every variant)

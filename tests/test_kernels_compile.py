@@ -1,4 +1,4 @@
-"""Every Triton kernel variant of the SharQ and attention kernels compiles for Hopper (sm_90) -- on the CPU,
+"""Every Triton kernel variant of the operand, SharQ and attention kernels compiles for Hopper (sm_90) -- on the CPU,
 through Triton's own compiler (tests/hopper_compile.py, in a subprocess without TRITON_INTERPRET).  The
 interpreter accepts programs the compiler rejects (a loop-carried variable changing type, say), so without
 this a GPU session would find them first.  What the kernels compute is tested elsewhere (under the
