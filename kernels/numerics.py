@@ -122,10 +122,10 @@ def e8m0_exponent(amax, CEIL: tl.constexpr, QM: tl.constexpr, QE: tl.constexpr, 
 
 @triton.jit
 def tensor_encode_scale(tensor_amax, QMAX: tl.constexpr):
-    """s_enc = 448 * qmax / amax (IEEE division), capped at FLT_MAX; 1 when amax or s_enc is 0 (TE) and when
-    amax is subnormal (< 2^-126; flushed or not, as the reference)."""
+    """s_enc = 448 * qmax / amax (IEEE division); 1 when amax or s_enc is 0 (TE) and when s_enc would exceed 2^117
+    (hf_fp4.numerics.scales.MAX_TENSOR_ENCODE: a tiny tensor counts as zero; an amax of 0 gives inf here)."""
     s_enc = tl.minimum(tl.math.div_rn(448.0 * QMAX, tensor_amax), 3.4028234663852886e38)
-    return tl.where((tensor_amax < FLT_MIN) | (s_enc == 0), 1.0, s_enc)
+    return tl.where((s_enc > 1.661534994731145e35) | (s_enc == 0), 1.0, s_enc)
 
 
 @triton.jit

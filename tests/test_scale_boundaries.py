@@ -125,3 +125,32 @@ def test_ties_between_grid_points_go_to_the_even_code_in_both_backends(grid):
     assert ((codes.to(torch.int32) & 1) == 0).all()  # the definition: ties to the even code
     assert torch.equal(q.dequantize()[0, 1:1 + mids.numel()], decode(codes, grid))
     kernel_matches_reference(x, spec)
+
+
+@pytest.mark.parametrize("name", ["nvfp4", "ufp4", "int4"])
+def test_a_tensor_too_small_for_a_normal_decode_factor_counts_as_zero(name):
+    """Two-level scaling at the bottom of FP32 (found by tests/test_fuzz.py): s_enc = 448 qmax / amax above 2^117
+    would give a subnormal block decode factor whose reciprocal overflows -- a lone 2^-126 came back as 4/7 of
+    itself.  Such a tensor counts as zero (s_enc = 1, its block scales round to zero); just above the limit
+    every block's decode factor is normal and the values land within a grid step."""
+    spec = QuantSpec.preset(name)
+    qmax = grid_max(spec.grid)
+    limit = f32(448 * qmax * 2.0**-117)  # amax at which s_enc = 2^117
+    for amax in (2.0**-126, down(limit)):
+        x = blocks_with_amax([amax], 16)
+        q = quantize(x, spec)
+        assert float(1 / q.tensor_scale) == 1.0 and torch.equal(q.dequantize(), torch.zeros_like(x)), amax
+        kernel_matches_reference(x, spec)
+    x = blocks_with_amax([up(limit) * 1.5], 16)
+    q = quantize(x, spec)
+    decode = float(q.block_decode().max() * q.tensor_scale)
+    assert decode >= 2.0**-126  # normal
+    step = float((hf_magnitudes(spec.grid)[1:] - hf_magnitudes(spec.grid)[:-1]).max())
+    assert ((q.dequantize() - x).abs() <= decode * step).all()
+    kernel_matches_reference(x, spec)
+
+
+def hf_magnitudes(grid):
+    from hf_fp4 import magnitudes
+
+    return magnitudes(grid.value)

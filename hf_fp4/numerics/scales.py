@@ -9,7 +9,8 @@ elements are multiplied by before rounding ("encode"), and the FP32 factor that 
 * ``e8m0_ceil`` -- truncation-free: the smallest power of two X with amax <= qmax * X (torchao's
   RCEIL), so nothing saturates; stochastic rounding is unbiased only with such scales.
 * ``ue4m3_fp32`` -- NVIDIA NVFP4 two-level scaling, generalised to any grid max qmax:
-  s_enc = 448 * qmax / amax(tensor) (1 if amax is 0 or subnormal, or s_enc is 0; capped at FLT_MAX);
+  s_enc = 448 * qmax / amax(tensor) (1 if amax is 0 or s_enc is 0, and if s_enc would exceed 2^117: see
+  MAX_TENSOR_ENCODE -- there we depart from TE, which caps it at FLT_MAX);
   s_b = e4m3_rne(min(amax_b / qmax * s_enc, FLT_MAX)), saturating at 448;
   the encode factor is 1 / (fp32(s_b) * (1 / s_enc)), computed in FP32 as TransformerEngine does.
   A block whose s_b rounds to zero decodes to zero (TransformerEngine; torchao clamps instead).
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .formats import FLT_MIN, Grid, encode, decode, grid_emax, grid_max
+from .formats import Grid, encode, decode, grid_emax, grid_max
 
 E4M3_MAX = 448.0
 FLT_MAX = torch.finfo(torch.float32).max
@@ -89,12 +90,20 @@ def e8m0_ceil_exponent(amax: torch.Tensor, grid: Grid) -> torch.Tensor:
     return torch.where(amax > 0, e, torch.full_like(e, -127)).clamp(-127, 127)
 
 
+#: s_enc above 2^117 would make a block's decode factor s_b / s_enc subnormal (E4M3's smallest s_b is 2^-9) and
+#: its reciprocal, the encode factor, overflow: the block's values would then be scaled by a capped factor and
+#: land up to ~2x off their grid step (found by tests/test_fuzz.py: a lone 2^-126 quantized to 4/7 of itself).
+MAX_TENSOR_ENCODE = 2.0**117
+
+
 def nvfp4_tensor_encode_scale(tensor_amax: torch.Tensor, grid: Grid) -> torch.Tensor:
-    """s_enc = 448 * qmax / amax in FP32, capped at FLT_MAX; 1 when amax or s_enc is zero (TE), and when amax
-    is subnormal (below FLT_MIN = 2^-126: GPU arithmetic may flush it to zero, so it counts as zero)."""
+    """s_enc = 448 * qmax / amax in FP32; 1 when amax or s_enc is zero (TE), and when s_enc would exceed
+    MAX_TENSOR_ENCODE = 2^117 (amax below 448 * qmax * 2^-117, ~1e-32: every block decode factor then stays a
+    normal FP32 number -- such a tensor's blocks round to a zero scale, i.e. it counts as zero, as a subnormal
+    amax always did).  This deviates from TransformerEngine, which caps s_enc at FLT_MAX instead."""
     amax = tensor_amax.float()
     s_enc = torch.clamp(torch.full_like(amax, E4M3_MAX * grid_max(grid)) / amax, max=FLT_MAX)
-    return torch.where((amax < FLT_MIN) | (s_enc == 0), torch.ones_like(s_enc), s_enc)
+    return torch.where((s_enc > MAX_TENSOR_ENCODE) | (s_enc == 0), torch.ones_like(s_enc), s_enc)
 
 
 def div_exact(a: torch.Tensor, b: float) -> torch.Tensor:
