@@ -124,14 +124,15 @@ def e8m0_exponent(amax, CEIL: tl.constexpr, QM: tl.constexpr, QE: tl.constexpr, 
 def tensor_encode_scale(tensor_amax, QMAX: tl.constexpr):
     """s_enc = 448 * qmax / amax (IEEE division); 1 when amax or s_enc is 0 (TE) and when s_enc would exceed 2^117
     (hf_fp4.numerics.scales.MAX_TENSOR_ENCODE: a tiny tensor counts as zero; an amax of 0 gives inf here)."""
-    s_enc = tl.minimum(tl.math.div_rn(448.0 * QMAX, tensor_amax), 3.4028234663852886e38)
+    s_enc = tl.math.div_rn(448.0 * QMAX, tensor_amax)
     return tl.where((s_enc > 1.661534994731145e35) | (s_enc == 0), 1.0, s_enc)
 
 
 @triton.jit
-def capped_reciprocal(x):
-    """1 / x (IEEE division) capped at FLT_MAX: the two-level encode factor (hf_fp4.numerics.scales.ue4m3_two_level)."""
-    return tl.minimum(tl.math.div_rn(tl.full(x.shape, 1.0, tl.float32), x), 3.4028234663852886e38)
+def encode_factor(decode):
+    """1 / decode (IEEE division), the two-level encode factor (hf_fp4.numerics.scales.ue4m3_two_level); finite,
+    since a block decode factor is a normal number (MAX_TENSOR_ENCODE)."""
+    return tl.math.div_rn(tl.full(decode.shape, 1.0, tl.float32), decode)
 
 
 @triton.jit
@@ -248,7 +249,7 @@ def quantize_tile(x, stat_ptr, seed, rows, col0, KP, BM: tl.constexpr, BK: tl.co
         s_enc = tensor_encode_scale(tl.load(stat_ptr), QMAX)
         s_b = ue4m3_block_scale(amax, s_enc, QMAX)
         s_dec = tl.math.div_rn(1.0, s_enc)
-        encode = tl.where(s_b > 0, capped_reciprocal(s_b * s_dec), 0.0)
+        encode = tl.where(s_b > 0, encode_factor(s_b * s_dec), 0.0)
         block = s_b
     else:
         e = e8m0_exponent(amax, SCALE == 1, QM, QE, EMAX)

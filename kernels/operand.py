@@ -35,7 +35,7 @@ from torch.library import wrap_triton
 from hf_fp4.numerics.operand_plan import Operand, OperandPlan, empty_operand, fp8_dmax, fp8_shift
 from hf_fp4.numerics.spec import Rounding
 
-from .numerics import (block_max, capped_reciprocal, e8m0_exponent, expand_blocks, grid_constants, hadamard, pow2,
+from .numerics import (block_max, encode_factor, e8m0_exponent, expand_blocks, grid_constants, hadamard, pow2,
                        round_grid, sr_uniforms, tensor_encode_scale, ue4m3_block_scale)
 from .quant import SCALE_CODES, load_tile
 
@@ -124,7 +124,7 @@ def _emit(x, rows, cols, col0, first_tile, out_ptr, n_rows, n_cols, stat_ptr, sc
         s_dec = tl.math.div_rn(1.0, s_enc)
         factor = ue4m3_block_scale(amax, s_enc, QMAX)
         decode = factor * s_dec
-        encode = tl.where(factor > 0, capped_reciprocal(decode), 0.0)
+        encode = tl.where(factor > 0, encode_factor(decode), 0.0)
         if first_tile:
             tl.store(scale_ptr, s_dec)
     factor = tl.where(bad, float("nan"), factor)

@@ -24,7 +24,7 @@ from hf_fp4.numerics.qtensor import NonFiniteError, QuantizedTensor
 from hf_fp4.numerics.scales import ScaleRule
 from hf_fp4.numerics.spec import NonFinite, QuantSpec, Rounding
 
-from .numerics import (block_any, block_max, capped_reciprocal, e8m0_exponent, expand_blocks, flush_subnormals,
+from .numerics import (block_any, block_max, encode_factor, e8m0_exponent, expand_blocks, flush_subnormals,
                        grid_code, grid_constants, hadamard, pow2, round_grid, sr_uniforms, tensor_encode_scale,
                        ue4m3_block_scale)
 
@@ -79,7 +79,7 @@ def _quantize_kernel(x_ptr, codes_ptr, scales_ptr, stat_ptr, mu_ptr, signs_ptr, 
         s_b = ue4m3_block_scale(amax, s_enc, QMAX)
         stored = grid_code(s_b, -6, 3).to(tl.uint8)
         decode = s_b * tl.math.div_rn(1.0, s_enc)
-        encode = tl.where(s_b > 0, capped_reciprocal(decode), 0.0)
+        encode = tl.where(s_b > 0, encode_factor(decode), 0.0)
     else:  # FP32
         stored = tl.math.div_rn(amax, QMAX)
         encode = tl.where(stored > 0, tl.math.div_rn(tl.full(stored.shape, 1.0, tl.float32), stored), 0.0)

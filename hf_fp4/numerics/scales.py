@@ -102,7 +102,7 @@ def nvfp4_tensor_encode_scale(tensor_amax: torch.Tensor, grid: Grid) -> torch.Te
     normal FP32 number -- such a tensor's blocks round to a zero scale, i.e. it counts as zero, as a subnormal
     amax always did).  This deviates from TransformerEngine, which caps s_enc at FLT_MAX instead."""
     amax = tensor_amax.float()
-    s_enc = torch.clamp(torch.full_like(amax, E4M3_MAX * grid_max(grid)) / amax, max=FLT_MAX)
+    s_enc = torch.full_like(amax, E4M3_MAX * grid_max(grid)) / amax  # an amax of 0 gives inf: > 2^117, so 1
     return torch.where((s_enc > MAX_TENSOR_ENCODE) | (s_enc == 0), torch.ones_like(s_enc), s_enc)
 
 
@@ -120,10 +120,9 @@ def ue4m3_two_level(amax: torch.Tensor, tensor_amax: torch.Tensor, grid: Grid) -
     s_b_codes = encode(block, Grid.E4M3, "nearest")  # RNE, saturating at 448
     s_b = decode(s_b_codes, Grid.E4M3)
     decode_factor = s_b * s_dec
-    # capped at FLT_MAX: a tensor whose amax is below ~8e-36 has a subnormal decode factor whose reciprocal
-    # overflows, and x * inf would turn its zeros into NaN (0 * inf); capped, they stay zeros
-    encode_factor = torch.where(s_b > 0, torch.clamp(torch.reciprocal(decode_factor), max=FLT_MAX),
-                                torch.zeros_like(s_b))
+    # s_b >= 2^-9 where it is not zero and s_dec >= 2^-117 (MAX_TENSOR_ENCODE), so the decode factor is a normal
+    # number and its reciprocal finite (<= 2^126)
+    encode_factor = torch.where(s_b > 0, torch.reciprocal(decode_factor), torch.zeros_like(s_b))
     return BlockScales(s_b_codes.view(torch.float8_e4m3fn), encode_factor, decode_factor, s_dec)
 
 
