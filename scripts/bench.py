@@ -501,7 +501,7 @@ def bench_optim(dev, quick, results):
     NVFP4 Newton-Schulz -- one model per optimizer, the same bf16 forward/backward."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from hf_fp4.optim import build_optimizer, state_bytes
+    from hf_fp4.optim import build_optimizer, param_groups, state_bytes
 
     model_cfg, cfg = bench50m_model()
     kwargs = {k: v for k, v in model_cfg.items() if k != "model_type"}
@@ -514,11 +514,7 @@ def bench_optim(dev, quick, results):
     for name, options in OPTIMIZERS:
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(LlamaConfig(**kwargs)).to(dev)
-        hidden = [p for n, p in model.named_parameters() if p.dim() == 2 and "embed" not in n and "lm_head" not in n]
-        rest = [p for p in model.parameters() if id(p) not in {id(h) for h in hidden}]
-        groups = [{"params": hidden, "muon": True}, {"params": rest}] if name == "muon" else [
-            {"params": list(model.parameters())}]
-        opt = build_optimizer(name, groups, 1e-3, (0.9, 0.95), dict(options))
+        opt = build_optimizer(name, param_groups(model, name, 0.1), 1e-3, (0.9, 0.95), dict(options))
         ids = [(torch.randint(0, kwargs["vocab_size"], (batch, seq), device=dev),) for _ in range(3)]
 
         def step(x, model=model, opt=opt):

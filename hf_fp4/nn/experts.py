@@ -45,8 +45,8 @@ class ExpertsFP4:
         self.recipe, self.name, self.seed = recipe, name, seed
         self.backend = "auto"  # as FP4Linear's: the Triton operand kernels and exact GEMMs on CUDA, per expert
         self.packed_rows: dict[str, int] = {}  # while a packed export loads: each projection's output rows
-        self.fp8_gemms = True  # as FP4Linear.fp8_gemms (set_fp8_gemms rebuilds the plans)
-        self.freeze(False)
+        self.frozen, self._fp8_gemms = False, True
+        self._build_plans()
         self.projections = projections
         self._bases = torch.tensor([[seed_bases(seed, f"{name}.{p}.{e}") for e in range(num_experts)]
                                     for p in projections], dtype=torch.int64, device="cpu")  # [P, E, 6]
@@ -57,7 +57,21 @@ class ExpertsFP4:
     def freeze(self, frozen: bool) -> None:
         """frozen: a packed export's 3D weights hold each expert's stored fprop operand (inference)."""
         self.frozen = frozen
-        self.plans = {b: LinearPlan.build(self.recipe, b, frozen, self.fp8_gemms) for b in ("reference", "triton")}
+        self._build_plans()
+
+    @property
+    def fp8_gemms(self) -> bool:
+        """As FP4Linear.fp8_gemms: the MX family's GEMMs on the FP8 (True) or BF16 tensor cores."""
+        return self._fp8_gemms
+
+    @fp8_gemms.setter
+    def fp8_gemms(self, value: bool) -> None:
+        self._fp8_gemms = bool(value)
+        self._build_plans()
+
+    def _build_plans(self) -> None:
+        self.plans = {b: LinearPlan.build(self.recipe, b, self.frozen, self._fp8_gemms)
+                      for b in ("reference", "triton")}
 
     def plan(self, t: torch.Tensor) -> LinearPlan:
         if self.backend not in BACKENDS:

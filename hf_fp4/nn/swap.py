@@ -96,8 +96,7 @@ def set_fp8_gemms(model: nn.Module, enabled: bool) -> int:
     for m in linears.values():
         m.fp8_gemms = enabled
     for state in experts.values():
-        state.fp8_gemms = bool(enabled)
-        state.freeze(state.frozen)
+        state.fp8_gemms = enabled
     return len(linears) + len(experts)
 
 

@@ -6,11 +6,28 @@ from __future__ import annotations
 
 import torch
 
+from ..nn import lora_svd
 from .fp4_adamw import V_TRANSFORMS, FP4AdamW, state_bytes
 from .muon import NS_ITERATIONS, Muon, newton_schulz, orthogonality_error
 
-__all__ = ["FP4AdamW", "Muon", "build_optimizer", "newton_schulz", "orthogonality_error", "state_bytes",
-           "NS_ITERATIONS", "V_TRANSFORMS"]
+__all__ = ["FP4AdamW", "Muon", "build_optimizer", "param_groups", "newton_schulz", "orthogonality_error",
+           "state_bytes", "NS_ITERATIONS", "V_TRANSFORMS"]
+
+
+def param_groups(model: torch.nn.Module, optimizer_name: str, weight_decay: float) -> list[dict]:
+    """The trainer's parameter groups: matrices with weight decay, vectors and LoRA-SVD factors without; for
+    muon, the hidden matrices (not embeddings, LM head or LoRA-SVD factors) in a group marked ``muon=True``."""
+    named = list(model.named_parameters())
+    decay = [p for n, p in named if p.dim() >= 2 and not lora_svd.is_factor(n)]
+    no_decay = [p for n, p in named if p.dim() < 2 or lora_svd.is_factor(n)]
+    if optimizer_name != "muon":
+        return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    hidden = [p for n, p in named if p.dim() == 2 and "embed" not in n and "lm_head" not in n
+              and not lora_svd.is_factor(n)]
+    ids = {id(p) for p in hidden}
+    return [{"params": hidden, "muon": True, "weight_decay": weight_decay},
+            {"params": [p for p in decay if id(p) not in ids], "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0}]
 
 
 def build_optimizer(name: str, groups: list[dict], lr: float, betas: tuple[float, float],

@@ -34,7 +34,7 @@ from ..nn.diagnostics import locate_non_finite
 from ..nn.experts import experts_states
 from ..extras import optional
 from ..hf.quantizer import FP4TrainConfig
-from ..optim import build_optimizer
+from ..optim import build_optimizer, param_groups
 from ..numerics.quantize import NonFiniteError
 from .config import TrainConfig
 
@@ -304,17 +304,8 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> di
     train_windows = TokenWindows(data.shard("train"), cfg.seq_len, seed=cfg.seed)
     val_windows = TokenWindows(data.shard("val"), cfg.seq_len, shuffle=False)
 
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and not lora_svd.is_factor(n)]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2 or lora_svd.is_factor(n)]
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    optimizer_name = cfg.optimizer_name()
-    if optimizer_name == "muon":  # hidden matrices by Muon, embeddings / LM head / norms by its AdamW part
-        hidden = [p for n, p in model.named_parameters() if p.dim() == 2 and "embed" not in n and "lm_head" not in n
-                  and not lora_svd.is_factor(n)]
-        ids = {id(p) for p in hidden}
-        groups = [{"params": hidden, "muon": True, "weight_decay": cfg.weight_decay},
-                  {"params": [p for p in decay if id(p) not in ids], "weight_decay": cfg.weight_decay},
-                  {"params": no_decay, "weight_decay": 0.0}]
+    optimizer_name = cfg.optimizer_name()  # muon: hidden matrices by Muon, the rest by its AdamW part
+    groups = param_groups(model, optimizer_name, cfg.weight_decay)
     optimizer = build_optimizer(optimizer_name, groups, cfg.lr, (cfg.beta1, cfg.beta2), cfg.optimizer_options)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg))
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
