@@ -231,17 +231,30 @@ def _by_label(results: list[dict]) -> dict[str, list[dict]]:
     return groups
 
 
+def _mean(runs: list[dict]) -> float:
+    return statistics.mean(r["final_val_loss"] for r in runs)
+
+
+def _half_range(runs: list[dict]) -> float:
+    vals = [r["final_val_loss"] for r in runs]
+    return (max(vals) - min(vals)) / 2
+
+
+def _spread(runs: list[dict]) -> float | None:
+    """Half the range of a label's final validation losses over its seeds (None for one seed)."""
+    return _half_range(runs) if len(runs) > 1 else None
+
+
 def gap_table(results: list[dict]) -> str:
     """Mean final validation loss per label (± half the range over seeds) and its gap to bf16's mean."""
     groups = _by_label(results)
     base = groups.get("bf16")
-    base_mean = statistics.mean(r["final_val_loss"] for r in base) if base else None
-    spread = (max(r["final_val_loss"] for r in base) - min(r["final_val_loss"] for r in base)) / 2 if base else None
+    base_mean = _mean(base) if base else None
+    spread = _half_range(base) if base else None
     lines = ["| label | recipe | seeds | tokens trained | epochs | final val loss | gap to bf16 |",
              "|---|---|---|---|---|---|---|"]
     for label, runs in groups.items():
-        vals = [r["final_val_loss"] for r in runs]
-        mean, half = statistics.mean(vals), (max(vals) - min(vals)) / 2
+        mean, half = _mean(runs), _half_range(runs)
         gap = f"{100 * (mean - base_mean) / base_mean:+.2f}%" if base_mean else "n/a"
         epochs = runs[0]["epochs"]
         lines.append(f"| {label} | {runs[0]['recipe']} | {len(runs)} | {runs[0]['tokens_trained'] or '-'} | "
@@ -251,12 +264,6 @@ def gap_table(results: list[dict]) -> str:
     return "\n".join(lines) + "\n" + note
 
 
-def _spread(runs: list[dict]) -> float | None:
-    """Half the range of a label's final validation losses over its seeds (None for one seed)."""
-    vals = [r["final_val_loss"] for r in runs]
-    return (max(vals) - min(vals)) / 2 if len(vals) > 1 else None
-
-
 def claim_verdicts(results: list[dict], claims: tuple[dict, ...]) -> list[dict]:
     """Each claim "`better` ends below `worse`" against the measured means: the difference (worse - better,
     in % of bf16's mean) and a verdict -- reproduced / contradicted beyond the seed noise (the largest half
@@ -264,12 +271,12 @@ def claim_verdicts(results: list[dict], claims: tuple[dict, ...]) -> list[dict]:
     seeds yet, or "not run"."""
     groups = _by_label(results)
     base = groups.get("bf16")
-    base_mean = statistics.mean(r["final_val_loss"] for r in base) if base else None
+    base_mean = _mean(base) if base else None
     out = []
     for c in claims:
         row = {**c, "difference_pct": None, "verdict": "not run"}
         if c["better"] in groups and c["worse"] in groups:
-            mean = {k: statistics.mean(r["final_val_loss"] for r in groups[c[k]]) for k in ("better", "worse")}
+            mean = {k: _mean(groups[c[k]]) for k in ("better", "worse")}
             ref = base_mean or mean["worse"]
             diff = 100 * (mean["worse"] - mean["better"]) / ref
             spreads = [s for s in (_spread(groups[c["better"]]), _spread(groups[c["worse"]]),
@@ -303,9 +310,7 @@ def beyond_bf16(results: list[dict]) -> list[str]:
     base, spread = groups.get("bf16"), _spread(groups.get("bf16") or [])
     if not base or spread is None:
         return []
-    base_mean = statistics.mean(r["final_val_loss"] for r in base)
-    return [label for label, runs in groups.items() if label != "bf16"
-            and statistics.mean(r["final_val_loss"] for r in runs) < base_mean - spread]
+    return [label for label, runs in groups.items() if label != "bf16" and _mean(runs) < _mean(base) - spread]
 
 
 def summarize(study: Study, out: str | Path) -> dict:
