@@ -87,14 +87,13 @@ def _run(cmd: list[str], what: str, cwd: Path | None = None) -> None:
 def pip_download(package: str, version: str, dest: Path, source: bool = False) -> Path:
     """`pip download --no-deps package==version` into dest (the sdist with source=True), unless a file of
     it is there already; returns the downloaded wheel or archive."""
-    stems = {package.replace("-", "_").lower(), package.lower()}
+    dest = Path(dest)
+    prefixes = tuple(f"{stem}-{version}" for stem in {package.replace("-", "_").lower(), package.lower()})
+    suffixes = (".tar.gz", ".zip") if source else (".whl",)
 
     def found() -> list[Path]:
-        suffixes = (".tar.gz", ".zip") if source else (".whl",)
-        return sorted(p for p in dest.glob("*") if p.name.lower().startswith(tuple(f"{s}-{version}" for s in stems))
-                      and p.name.endswith(suffixes))
+        return sorted(p for p in dest.glob("*") if p.name.lower().startswith(prefixes) and p.name.endswith(suffixes))
 
-    dest = Path(dest)
     if not found():
         dest.mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps"]
