@@ -25,6 +25,19 @@ def require(module: str, extra: str | None, feature: str) -> ModuleType:
                           f"{_hint(extra, module)}") from err
 
 
+def versions(*modules: str) -> dict[str, str]:
+    """Python's version and each named package's that imports (for results files: what produced a number)."""
+    import platform
+
+    out = {"python": platform.python_version()}
+    for name in modules:
+        try:
+            out[name] = importlib.import_module(name).__version__
+        except Exception:  # noqa: BLE001  (a missing or broken optional package is simply not listed)
+            continue
+    return out
+
+
 def optional(module: str, extra: str | None, feature: str) -> ModuleType | None:
     """Import `module` for a feature that can be skipped; if it is missing, print one line and return None."""
     try:

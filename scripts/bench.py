@@ -31,6 +31,7 @@ from torch._dynamo.utils import counters
 
 import hf_fp4
 from hf_fp4 import FP4Linear, QuantSpec, preset
+from hf_fp4.extras import versions as package_versions
 from hf_fp4.nn.recipe import PRESET_NAMES
 
 FP4_PRESETS = [p for p in PRESET_NAMES if p != "bf16"]
@@ -561,15 +562,7 @@ def main():
         write(results, out / f"results-{results.get('date', date)}", render(results))
         return
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    import transformers
-    import triton
-    versions = {"torch": torch.__version__, "triton": triton.__version__, "transformers": transformers.__version__,
-                "python": platform.python_version(), "hf_fp4": hf_fp4.__version__}
-    try:
-        import torchao
-        versions["torchao"] = torchao.__version__
-    except Exception:  # noqa: BLE001
-        pass
+    versions = package_versions("torch", "triton", "transformers", "hf_fp4", "torchao")
     results = {"device": torch.cuda.get_device_name() if dev == "cuda" else platform.processor() or "cpu",
                "versions": versions, "command": "python " + " ".join(sys.argv), "date": date,
                "linear": [], "e2e": [], "quant": []}

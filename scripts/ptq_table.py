@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-import hf_fp4
-from hf_fp4.extras import optional
+import hf_fp4  # noqa: F401  (registers the quant method before any model loads)
+from hf_fp4.extras import optional, versions
 from hf_fp4.files import atomic_write_text
 from hf_fp4.release.evaldata import heldout_corpus_texts
 from hf_fp4.release.evaluation import load_model, markdown_table, post_training_quantize, run_lm_eval, token_perplexity
@@ -40,14 +40,6 @@ for _name, _p, _h, _size in (("nvfp4", "nvfp4", "none", 16), ("nvfp4+H16", "nvfp
 CONFIGS += [("nvfp4 W 1x16", "nvfp4", "none", 16, {"weight_blocks": "1d"}),
             ("nvfp4+SharQ", "nvfp4", "none", 16, {"sharq": True})]
 TASKS = "hellaswag,piqa,arc_easy,arc_challenge,winogrande,boolq,openbookqa,sciq,lambada,corpus_ppl"
-
-
-def versions() -> dict[str, str]:
-    import lm_eval
-    import transformers
-
-    return {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
-            "lm_eval": lm_eval.__version__, "hf_fp4": hf_fp4.__version__}
 
 
 def accuracy_chart(rows: dict, path: Path) -> bool:
@@ -124,7 +116,7 @@ def main():
         del model
         meta = {"date": datetime.date.today().isoformat(), "command": "python " + " ".join(sys.argv),
                 "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
-                "versions": versions(), "model": f"{model_dir.name}/{gguf}", "protocol": protocol, "items": items,
+                "versions": versions("torch", "transformers", "lm_eval", "hf_fp4"), "model": f"{model_dir.name}/{gguf}", "protocol": protocol, "items": items,
                 "results": rows}
         atomic_write_text(out / "results.json", json.dumps(meta, indent=2))
         atomic_write_text(out / "table.md", markdown_table(rows))
