@@ -28,7 +28,7 @@ from . import linear as _linear
 from .autograd import FP4LinearFunction, output_dtype
 from .linear import FP4Linear, _crc, _notify, hadamard_signs, seed_bases
 from ..numerics.formats import ELEMENT_BITS
-from .operands import BACKENDS, LinearPlan
+from .operands import BACKENDS, LinearPlan, plans_by_backend
 from .packing import packed_shapes, stored_scales
 from ..numerics.qtensor import QuantizedTensor
 from ..numerics.philox import STEP_MIX
@@ -70,8 +70,7 @@ class ExpertsFP4:
         self._build_plans()
 
     def _build_plans(self) -> None:
-        self.plans = {b: LinearPlan.build(self.recipe, b, self.frozen, self._fp8_gemms)
-                      for b in ("reference", "triton")}
+        self.plans = plans_by_backend(self.recipe, self.frozen, self._fp8_gemms)
 
     def plan(self, t: torch.Tensor) -> LinearPlan:
         if self.backend not in BACKENDS:

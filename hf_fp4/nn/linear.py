@@ -30,7 +30,7 @@ from ..numerics.hadamard import apply_hadamard, seeded_signs
 from . import lora_svd
 from .backends import quantize
 from .autograd import ROLES, FP4LinearFunction, output_dtype
-from .operands import BACKENDS, LinearPlan, operand_values
+from .operands import BACKENDS, operand_values, plans_by_backend
 from ..numerics.philox import STEP_MIX, philox_signs, step_seed
 from .recipe import GEMMS, HadamardKind, LinearRecipe
 from ..numerics.scales import ScaleRule
@@ -144,8 +144,7 @@ class FP4Linear(nn.Linear):
         self._build_plans()
 
     def _build_plans(self) -> None:
-        self._plans = {b: LinearPlan.build(self._recipe, b, self._frozen_weight, self._fp8_gemms)
-                       for b in ("reference", "triton")}
+        self._plans = plans_by_backend(self._recipe, self._frozen_weight, self._fp8_gemms)
         self._plans["graphs"] = dataclasses.replace(self._plans["triton"], triton_ops=False)
 
     # ------------------------------------------------------------------------------------------

@@ -282,6 +282,12 @@ class LinearPlan:
                    keys=keys)
 
 
+def plans_by_backend(recipe: LinearRecipe, frozen_weight: bool, fp8_gemms: bool) -> dict[str, LinearPlan]:
+    """The LinearPlan of each backend ("reference", "triton") of one layer's recipe and switches (FP4Linear and
+    MoE experts rebuild them whenever the recipe, the frozen flag or fp8_gemms changes)."""
+    return {b: LinearPlan.build(recipe, b, frozen_weight, fp8_gemms) for b in ("reference", "triton")}
+
+
 def _form(g: GemmSpec, backend: str, frozen: bool, fp8_gemms: bool = True) -> str:
     if not g.quantized and not g.hadamard.enabled:
         return "hp"
