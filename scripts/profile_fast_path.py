@@ -16,6 +16,8 @@
 5. --gemm: cuBLAS FP8 GEMM time by scale granularity (tensor, row, 1x128) against BF16, at bench.py's shapes;
    --triton-gemm: a Triton 1x128 FP8 GEMM (exactness per accumulation variant, time);
    --fp8-accuracy: the FP8 GEMMs' worst error against the FP32 accumulation bound, by contraction length.
+6. --optim: torch.profiler over optimizer steps on bench-50m's model (bench.py's OPTIMIZERS): host and GPU
+   time per op, and the host-device synchronisations per step.
 """
 from __future__ import annotations
 
@@ -98,8 +100,12 @@ def main():
                    help="FP8 GEMM error against the FP32 accumulation bound, by contraction length")
     p.add_argument("--mutations", action="store_true",
                    help="which arguments torch.compile believes each kernel writes (it copies those inputs)")
+    p.add_argument("--optim", action="store_true", help="optimizer steps of bench.py's OPTIMIZERS: op table, syncs")
     args = p.parse_args()
     dev = "cuda"
+    if args.optim:
+        profile_optim(dev)
+        return
     if args.gemm:
         gemm_granularity(dev)
         return
@@ -367,6 +373,46 @@ def profile_e2e(name: str, steps: int = 3) -> None:
         print(f"| {e.key[:70]} | {ms:.2f} | {ms / gpu_ms:.0%} |")
     del model, opt
     torch.cuda.empty_cache()
+
+
+def profile_optim(dev: str, steps: int = 2) -> None:
+    """Each optimizer of bench.py's OPTIMIZERS: its step alone (gradients from one backward), wall ms, GPU busy
+    ms, synchronisations, and the ops that take the host's and the GPU's time."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench import OPTIMIZERS, bench50m_model
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from hf_fp4.optim import build_optimizer, param_groups
+
+    model_cfg, cfg = bench50m_model()
+    kwargs = {k: v for k, v in model_cfg.items() if k != "model_type"}
+    kwargs["vocab_size"] = int(cfg["vocab_size"])
+    for name, options in OPTIMIZERS:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(LlamaConfig(**kwargs)).to(dev)
+        opt = build_optimizer(name, param_groups(model, name, 0.1), 1e-3, (0.9, 0.95), dict(options))
+        ids = torch.randint(0, kwargs["vocab_size"], (2, 256), device=dev)
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()  # the state exists
+        wall = event_ms(opt.step, 3)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                opt.step()
+            torch.cuda.synchronize()
+        table = prof.key_averages()
+        gpu = sum(e.self_device_time_total for e in table if e.device_type == torch.autograd.DeviceType.CUDA)
+        syncs = sum(e.count for e in table if "Synchronize" in e.key or e.key == "aten::_local_scalar_dense")
+        label = name + ("+" + options["ns_spec"] + "_ns" if options.get("ns_spec") else "")
+        print(f"\n## {label}: step {wall:.1f} ms wall, {gpu / 1e3 / steps:.1f} ms of kernels, "
+              f"{syncs / steps:.0f} syncs/step")
+        print(table.table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=60))
+        print(table.table(sort_by="self_cuda_time_total", row_limit=8, max_name_column_width=60))
+        del model, opt
+        torch.cuda.empty_cache()
 
 
 def _impl(name: str) -> str:

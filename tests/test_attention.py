@@ -202,8 +202,9 @@ def test_the_flash_backward_quantizes_its_ds_as_the_spec_and_makes_the_spec_grad
 def test_fp4_attention_on_the_triton_backend_matches_the_reference(dtype):
     """fp4_attention(backend="triton"): the flash kernels' output and gradients match the reference path's
     (GQA, causal + padding mask; BF16 inputs take the tensor-core path, FP32 the IEEE one)."""
-    q, k, v = qkv(5, dtype)
-    keep = torch.ones(B, 1, T, T, dtype=torch.bool).tril()
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU runs the kernels in Triton's interpreter
+    q, k, v = (t.detach().to(dev) for t in qkv(5, dtype))
+    keep = torch.ones(B, 1, T, T, dtype=torch.bool, device=dev).tril()
     keep[0, :, :, :3] = False
     outs, grads = [], []
     for backend in ("reference", "triton"):

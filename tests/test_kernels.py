@@ -151,7 +151,7 @@ def test_kernel_matches_reference_at_large_sizes_on_gpu(spec):
 # ------------------------------------------------------------------------------------------------
 # GEMM operands (kernels/operand.py): both orientations of a tensor from one pass, equal to the
 # reference's dequantized values bit for bit, for every form a recipe can ask for.
-from exactness import assert_within_accumulation_error  # noqa: E402
+from exactness import FP32_BITS, FP8_MMA_BITS, assert_within_accumulation_error  # noqa: E402
 from hf_fp4.nn.operands import OperandPlan, fp8_capable, gemm, operand_values, reference_operand  # noqa: E402
 
 
@@ -198,7 +198,9 @@ def test_operand_kernel_both_orientations_match_reference(spec, form, h):
 def test_fp8_operands_of_widely_spread_rows_and_columns_are_exact(spec, h):
     """FP8 operands whose rows and columns lie up to 2^36 apart (values over E4M3's whole range), both
     orientations, with and without a 256 Hadamard: every value is the reference's, and the GEMM of the pair
-    is within FP32 accumulation error (on the GPU: cuBLAS's row-scaled FP8 GEMM plus the correction)."""
+    is within FP32 accumulation error under the interpreter (an FP32 matmul); on the GPU (cuBLAS's row-scaled
+    FP8 GEMM plus the correction) within the FP8 MMA's 14-bit accumulation (tests/exactness.py: the FP32
+    bound is exceeded up to 5.6x there; the BF16 form below meets it)."""
     g = torch.Generator().manual_seed(21)
     t = torch.randn(208, 328, generator=g)
     t = t * torch.exp2(torch.randint(-18, 18, (208, 1), generator=g).float())
@@ -210,8 +212,9 @@ def test_fp8_operands_of_widely_spread_rows_and_columns_are_exact(spec, h):
     ra = reference_operand(t.float(), plans[0], 3, signs[0]).data
     rb = reference_operand(t.float().t(), plans[1], 4, signs[1]).data
     # x-like (208 x 328) against a second operand of the same width: the A operand with itself
-    assert_within_accumulation_error(gemm(oa, oa, plans, 208, 208, torch.float32), ra, ra, str(spec))
-    assert_within_accumulation_error(gemm(ob, ob, plans, 328, 328, torch.float32), rb, rb, str(spec))
+    bits = FP8_MMA_BITS if CUDA else FP32_BITS
+    assert_within_accumulation_error(gemm(oa, oa, plans, 208, 208, torch.float32), ra, ra, str(spec), bits)
+    assert_within_accumulation_error(gemm(ob, ob, plans, 328, 328, torch.float32), rb, rb, str(spec), bits)
 
 
 @pytest.mark.parametrize("spec", [s for s in operand_specs() if fp8_capable(s)], ids=str)

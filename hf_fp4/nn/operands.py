@@ -208,17 +208,19 @@ def gemm(a: Operand, b: Operand, plans: tuple[OperandPlan, OperandPlan], m: int,
 
 
 def quantized_matmul(a: torch.Tensor, b: torch.Tensor, spec: QuantSpec, backend: str = "auto",
-                     out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                     out_dtype: torch.dtype = torch.float32, fp8_gemms: bool = True) -> torch.Tensor:
     """a [m, k] @ b [k, n] with both operands quantized along k by `spec` (round to nearest; no Hadamard)
     through the layers' operand and GEMM path: on CUDA ("auto") the operand kernels (b read once, in its
-    transposed orientation) and the exact FP8 / BF16 GEMM of the spec's family; "reference": the reference
-    quantizer and an FP32 matmul.  Muon's NVFP4 Newton-Schulz iterations run on it."""
+    transposed orientation) and the FP8 / BF16 GEMM of the spec's family (fp8_gemms=False: the MX family's
+    in BF16 too, FP32 accumulation, as for FP4Linear.fp8_gemms); "reference": the reference quantizer and an
+    FP32 matmul.  Muon's NVFP4 Newton-Schulz iterations run on it."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; valid: {', '.join(BACKENDS)}")
     if spec.rounding is not Rounding.NEAREST:
         raise ValueError("quantized_matmul rounds to nearest: pass a QuantSpec with rounding='nearest'")
     fast = backend == "triton" or (backend == "auto" and a.is_cuda)
-    form = "fp32" if not fast or spec.scale is ScaleRule.FP32 else ("fp8" if fp8_capable(spec) else "bf16")
+    form = "fp32" if not fast or spec.scale is ScaleRule.FP32 else (
+        "fp8" if fp8_gemms and fp8_capable(spec) else "bf16")
     plan = OperandPlan(spec, 0, False, form, max(16, spec.block[1]))
     seeds = torch.zeros(2, dtype=torch.int64, device=a.device)
     oa, _ = operands(a, (plan, None), seeds, triton_ops=False)
