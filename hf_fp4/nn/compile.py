@@ -8,7 +8,10 @@ launched depends on the mode:
 * without them (``default``, ``max-autotune-no-cudagraphs``) inductor launches the kernels from its own code
   (``triton_op``), avoiding a Python call per launch -- a 1.1B Llama step has thousands.
 
-`compile_model` sets that per layer (FP4Linear.cuda_graphs); numerics are identical either way.
+`compile_model` sets that per layer (FP4Linear.cuda_graphs); numerics are identical either way.  A model whose
+blocks break the graph (FP4 attention or FP4 experts run eagerly, `graph_safe`) keeps the opaque custom ops
+too: torch 2.11's dynamo fails to trace the triton_op path of the autograd function around such a break
+(AssertionError in overwrite_tensor_vt_proxy; the H200 GPU suite of 2026-12-02).
 """
 from __future__ import annotations
 
@@ -59,8 +62,9 @@ def compile_model(model: nn.Module, mode: str = "auto", backend: str = "inductor
     """
     graphs = uses_cuda_graphs(mode, backend, model)
     mode = resolve_mode(mode, backend, model)
+    opaque = graphs or not graph_safe(model)  # see the module docstring
     for layer in fp4_modules(model).values():
-        layer.cuda_graphs = graphs
+        layer.cuda_graphs = opaque
     names = set(getattr(model, "_no_split_modules", None) or ())
     blocks = [m for m in model.modules() if type(m).__name__ in names]
     for m in blocks or [model]:
