@@ -31,11 +31,38 @@ def _dot(a, b, TC: tl.constexpr, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
+def _valid(rows, cols, TQ, TK, CAUSAL: tl.constexpr):
+    """In range, and (causal) a key at or before the query (aligned at the start, as Transformers' SDPA)."""
+    valid = (rows[:, None] < TQ) & (cols[None, :] < TK)
+    if CAUSAL:
+        valid = valid & (cols[None, :] <= rows[:, None])
+    return valid
+
+
+@triton.jit
+def _key_end(pid_m, BM: tl.constexpr, TK, CAUSAL: tl.constexpr):
+    """Where a block of query rows stops reading keys: TK, or (causal) after its last row's position --
+    the skipped tiles are masked entirely (their P and dS are 0, so skipping them changes nothing)."""
+    if CAUSAL:
+        return tl.minimum(TK, (pid_m + 1) * BM)
+    return TK
+
+
+@triton.jit
+def _query_start(pid_n, BM: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr):
+    """Where a block of keys starts reading query rows: 0, or (causal) the query block of its first key (the
+    blocks before see none of it)."""
+    if CAUSAL:
+        return (pid_n * BN // BM) * BM
+    return 0
+
+
+@triton.jit
 def _flash_forward_kernel(q_ptr, k_ptr, v_ptr, dec_ptr, keep_ptr, o_ptr, H, TQ, TK, scale,
                           sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
                           sm_b, sm_h, sm_q, sm_k, so_b, so_h, so_t,
                           BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, HAS_KEEP: tl.constexpr,
-                          TC: tl.constexpr, INTERPRETED: tl.constexpr):
+                          CAUSAL: tl.constexpr, TC: tl.constexpr, INTERPRETED: tl.constexpr):
     pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
     b, h = pid_bh // H, pid_bh % H
     rows = pid_m * BM + tl.arange(0, BM)
@@ -45,14 +72,14 @@ def _flash_forward_kernel(q_ptr, k_ptr, v_ptr, dec_ptr, keep_ptr, o_ptr, H, TQ, 
     m_i = tl.full([BM], float("-inf"), tl.float32)
     l_i = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, D], tl.float32)
-    for start in range(0, TK, BN):
+    for start in range(0, _key_end(pid_m, BM, TK, CAUSAL), BN):
         cols = start + tl.arange(0, BN)
         k = tl.load(k_ptr + b * sk_b + h * sk_h + cols[:, None] * sk_t + d[None, :], mask=cols[:, None] < TK,
                     other=0.0)
         v = tl.load(v_ptr + b * sv_b + h * sv_h + cols[:, None] * sv_t + d[None, :], mask=cols[:, None] < TK,
                     other=0.0)
         s = _dot(q, tl.trans(k), TC, INTERPRETED) * s_scale
-        valid = (rows[:, None] < TQ) & (cols[None, :] < TK)
+        valid = _valid(rows, cols, TQ, TK, CAUSAL)
         if HAS_KEEP:
             keep = tl.load(keep_ptr + b * sm_b + h * sm_h + rows[:, None] * sm_q + cols[None, :] * sm_k,
                            mask=valid, other=0)
@@ -72,9 +99,11 @@ def _flash_forward_kernel(q_ptr, k_ptr, v_ptr, dec_ptr, keep_ptr, o_ptr, H, TQ, 
 
 
 def flash_forward(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, keep: torch.Tensor | None, scale: float,
-                  decodes: torch.Tensor | None = None, tile: tuple[int, int] = (32, 32)) -> torch.Tensor:
+                  decodes: torch.Tensor | None = None, tile: tuple[int, int] = (32, 32),
+                  causal: bool = False) -> torch.Tensor:
     """O [B, H, TQ, D] in FP32 from Q^ [B, H, TQ, D], K^ and V^ [B, H, TK, D] and a boolean keep mask
-    broadcastable to [B, H, TQ, TK] (or None).  FP32 operands are the values themselves (IEEE dots); BF16
+    broadcastable to [B, H, TQ, TK] (or None); causal: also key <= query (computed, no mask read; the key
+    tiles after a query block are skipped).  FP32 operands are the values themselves (IEEE dots); BF16
     operands are exact values whose tensor decode scales are `decodes` [3] (Q^ = q decodes[0], ...): the
     tensor cores' path."""
     bsz, heads, tq, dim = qh.shape
@@ -98,7 +127,8 @@ def flash_forward(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, keep: to
     grid = (triton.cdiv(tq, bm), bsz * heads)
     wrap_triton(_flash_forward_kernel)[grid](
         qh, kh, vh, decodes.float(), keep, out, heads, tq, tk, float(scale), *qh.stride()[:3], *kh.stride()[:3],
-        *vh.stride()[:3], *mask_strides, *out.stride()[:3], BM=bm, BN=bn, D=dim, HAS_KEEP=has_keep, TC=tc,
+        *vh.stride()[:3], *mask_strides, *out.stride()[:3], BM=bm, BN=bn, D=dim, HAS_KEEP=has_keep,
+        CAUSAL=causal, TC=tc,
         INTERPRETED=not qh.is_cuda, num_warps=4)
     return out
 
@@ -118,11 +148,11 @@ def flash_forward(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, keep: to
 
 @triton.jit
 def _scores(q, k_ptr, kb, cols, d, sk_t, TK, keep_ptr, mb, rows, sm_q, sm_k, TQ, s_scale,
-            HAS_KEEP: tl.constexpr, TC: tl.constexpr, INTERPRETED: tl.constexpr):
+            HAS_KEEP: tl.constexpr, CAUSAL: tl.constexpr, TC: tl.constexpr, INTERPRETED: tl.constexpr):
     """S tile [BM, BN] (masked entries -inf) and the key tile it used."""
     k = tl.load(k_ptr + kb + cols[:, None] * sk_t + d[None, :], mask=cols[:, None] < TK, other=0.0)
     s = _dot(q, tl.trans(k), TC, INTERPRETED) * s_scale
-    valid = (rows[:, None] < TQ) & (cols[None, :] < TK)
+    valid = _valid(rows, cols, TQ, TK, CAUSAL)
     if HAS_KEEP:
         keep = tl.load(keep_ptr + mb + rows[:, None] * sm_q + cols[None, :] * sm_k, mask=valid, other=0)
         valid = valid & (keep != 0)
@@ -152,7 +182,7 @@ def _decodes(dec_ptr, stat_ptr, scale, QUANT: tl.constexpr, SCALE: tl.constexpr,
 def _lse_kernel(q_ptr, k_ptr, v_ptr, dec_ptr, do_ptr, delta_ptr, lse_ptr, stat_ptr, keep_ptr,
                 dq_ptr, dk_ptr, dv_ptr, dbg_ptr, seed, H, TQ, TK, TQ_ROWS, TK_ROWS, KP_Q, KP_K, scale,
                 sm_b, sm_h, sm_q, sm_k,
-                BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, HAS_KEEP: tl.constexpr,
+                BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, HAS_KEEP: tl.constexpr, CAUSAL: tl.constexpr,
                 PHASE: tl.constexpr, QUANT: tl.constexpr, SQUARE: tl.constexpr, BR: tl.constexpr,
                 BC: tl.constexpr, GRID: tl.constexpr, QMAX: tl.constexpr, QM: tl.constexpr,
                 QE: tl.constexpr, EMAX: tl.constexpr, SCALE: tl.constexpr, SR: tl.constexpr,
@@ -167,10 +197,10 @@ def _lse_kernel(q_ptr, k_ptr, v_ptr, dec_ptr, do_ptr, delta_ptr, lse_ptr, stat_p
     q = tl.load(q_ptr + qb + rows[:, None] * D + d[None, :], mask=rows[:, None] < TQ, other=0.0)
     m_i = tl.full([BM], float("-inf"), tl.float32)
     l_i = tl.zeros([BM], tl.float32)
-    for start in range(0, TK, BN):
+    for start in range(0, _key_end(pid, BM, TK, CAUSAL), BN):
         cols = start + tl.arange(0, BN)
         s, k = _scores(q, k_ptr, kb, cols, d, D, TK, keep_ptr, mb, rows, sm_q, sm_k, TQ, s_scale, HAS_KEEP,
-                       TC, INTERPRETED)
+                       CAUSAL, TC, INTERPRETED)
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         live = m_new > float("-inf")
         l_i = l_i * tl.where(live, tl.exp(m_i - tl.where(live, m_new, 0.0)), 1.0) + tl.sum(
@@ -184,7 +214,7 @@ def _lse_kernel(q_ptr, k_ptr, v_ptr, dec_ptr, do_ptr, delta_ptr, lse_ptr, stat_p
 def _dq_kernel(q_ptr, k_ptr, v_ptr, dec_ptr, do_ptr, delta_ptr, lse_ptr, stat_ptr, keep_ptr,
                dq_ptr, dk_ptr, dv_ptr, dbg_ptr, seed, H, TQ, TK, TQ_ROWS, TK_ROWS, KP_Q, KP_K, scale,
                sm_b, sm_h, sm_q, sm_k,
-               BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, HAS_KEEP: tl.constexpr,
+               BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, HAS_KEEP: tl.constexpr, CAUSAL: tl.constexpr,
                PHASE: tl.constexpr, QUANT: tl.constexpr, SQUARE: tl.constexpr, BR: tl.constexpr,
                BC: tl.constexpr, GRID: tl.constexpr, QMAX: tl.constexpr, QM: tl.constexpr,
                QE: tl.constexpr, EMAX: tl.constexpr, SCALE: tl.constexpr, SR: tl.constexpr,
@@ -202,10 +232,10 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, dec_ptr, do_ptr, delta_ptr, lse_ptr, stat_pt
     delta = tl.load(delta_ptr + pid_bh * TQ + rows, mask=rows < TQ, other=0.0)
     dq = tl.zeros([BM, D], tl.float32)
     amax = tl.zeros([BM], tl.float32)
-    for start in range(0, TK, BN):
+    for start in range(0, _key_end(pid, BM, TK, CAUSAL), BN):
         cols = start + tl.arange(0, BN)
         s, k = _scores(q, k_ptr, kb, cols, d, D, TK, keep_ptr, mb, rows, sm_q, sm_k, TQ, s_scale, HAS_KEEP,
-                       TC, INTERPRETED)
+                       CAUSAL, TC, INTERPRETED)
         v = tl.load(v_ptr + kb + cols[:, None] * D + d[None, :], mask=cols[:, None] < TK, other=0.0)
         p, ds = _probs_and_ds(s, lse, do, v, delta, dec_v, TC, INTERPRETED)
         if PHASE == 1:
@@ -230,7 +260,7 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, dec_ptr, do_ptr, delta_ptr, lse_ptr, stat_pt
 def _dkdv_kernel(q_ptr, k_ptr, v_ptr, dec_ptr, do_ptr, delta_ptr, lse_ptr, stat_ptr, keep_ptr,
                  dq_ptr, dk_ptr, dv_ptr, dbg_ptr, seed, H, TQ, TK, TQ_ROWS, TK_ROWS, KP_Q, KP_K, scale,
                  sm_b, sm_h, sm_q, sm_k,
-                 BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, HAS_KEEP: tl.constexpr,
+                 BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, HAS_KEEP: tl.constexpr, CAUSAL: tl.constexpr,
                  PHASE: tl.constexpr, QUANT: tl.constexpr, SQUARE: tl.constexpr, BR: tl.constexpr,
                  BC: tl.constexpr, GRID: tl.constexpr, QMAX: tl.constexpr, QM: tl.constexpr,
                  QE: tl.constexpr, EMAX: tl.constexpr, SCALE: tl.constexpr, SR: tl.constexpr,
@@ -245,14 +275,14 @@ def _dkdv_kernel(q_ptr, k_ptr, v_ptr, dec_ptr, do_ptr, delta_ptr, lse_ptr, stat_
     v = tl.load(v_ptr + kb + cols[:, None] * D + d[None, :], mask=cols[:, None] < TK, other=0.0)
     dk = tl.zeros([BN, D], tl.float32)
     dv = tl.zeros([BN, D], tl.float32)
-    for start in range(0, TQ, BM):
+    for start in range(_query_start(pid, BM, BN, CAUSAL), TQ, BM):
         rows = start + tl.arange(0, BM)
         q = tl.load(q_ptr + qb + rows[:, None] * D + d[None, :], mask=rows[:, None] < TQ, other=0.0)
         do = tl.load(do_ptr + qb + rows[:, None] * D + d[None, :], mask=rows[:, None] < TQ, other=0.0)
         lse = tl.load(lse_ptr + pid_bh * TQ + rows, mask=rows < TQ, other=float("inf"))
         delta = tl.load(delta_ptr + pid_bh * TQ + rows, mask=rows < TQ, other=0.0)
         s, k = _scores(q, k_ptr, kb, cols, d, D, TK, keep_ptr, mb, rows, sm_q, sm_k, TQ, s_scale, HAS_KEEP,
-                       TC, INTERPRETED)
+                       CAUSAL, TC, INTERPRETED)
         p, ds = _probs_and_ds(s, lse, do, v, delta, dec_v, TC, INTERPRETED)
         dv += _dot(tl.trans(round_to_bf16(p)), do, TC, INTERPRETED)
         if QUANT:
@@ -271,12 +301,12 @@ def _dkdv_kernel(q_ptr, k_ptr, v_ptr, dec_ptr, do_ptr, delta_ptr, lse_ptr, stat_
 
 
 def flash_backward(qh, kh, vh, out, d_out, keep, scale: float, ds_spec, seed: int, decodes: torch.Tensor | None = None,
-                   tile: tuple[int, int] = (32, 32), debug: bool = False):
+                   tile: tuple[int, int] = (32, 32), debug: bool = False, causal: bool = False):
     """dQ, dK, dV in FP32 ([B, H, T, D], GQA expanded) of hf_fp4.nn.attention's backward, from the saved Q^, K^, V^
     (FP32 values, or exact BF16 values with their tensor `decodes` [3] as flash_forward takes them), the forward
     output and dO; ds_spec: dS's QuantSpec (None: high precision).  The tensor cores run every GEMM when the
     operands are BF16 and so is dO (products exact, FP32 sums; tensor scales applied after); otherwise IEEE FP32
-    dots.  debug: also the unquantized dS [B, H, TQ, TK] the kernels computed (tests)."""
+    dots.  causal: as flash_forward's.  debug: also the unquantized dS [B, H, TQ, TK] the kernels computed (tests)."""
     from hf_fp4.numerics.formats import Grid
     from hf_fp4.numerics.scales import ScaleRule
     from hf_fp4.numerics.spec import Rounding
@@ -321,7 +351,7 @@ def flash_backward(qh, kh, vh, out, d_out, keep, scale: float, ds_spec, seed: in
     quant.pop("MBITS", None)
     args = (qh, kh, vh, decodes.float().contiguous(), do, delta, lse, stat, keep_t, dq, dk, dv, dbg, seed, heads, tq, tk, rows_q, rows_k, kp_q, kp_k,
             float(scale), *mask_strides)
-    consts = dict(BM=bm, BN=bn, D=dim, HAS_KEEP=keep is not None, DEBUG=debug, TC=tc, INTERPRETED=not qh.is_cuda,
+    consts = dict(BM=bm, BN=bn, D=dim, HAS_KEEP=keep is not None, CAUSAL=causal, DEBUG=debug, TC=tc, INTERPRETED=not qh.is_cuda,
                   **quant)
     phases = [0, 1, 2, 3] if quant["QUANT"] and quant["SCALE"] == 2 else [0, 2, 3]
     kernels = {0: _lse_kernel, 1: _dq_kernel, 2: _dq_kernel, 3: _dkdv_kernel}

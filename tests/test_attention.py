@@ -198,6 +198,36 @@ def test_the_flash_backward_quantizes_its_ds_as_the_spec_and_makes_the_spec_grad
         assert not within(dq, dbg * scale, kh.double())
 
 
+@pytest.mark.parametrize("tile", [(16, 32), (32, 16)])
+@pytest.mark.parametrize("name", ["nvfp4-sr", "nvfp4_2d"])
+def test_the_kernels_causal_flag_is_the_tril_mask_bit_for_bit(name, tile):
+    """causal=True (the mask computed, the tiles above the diagonal skipped) gives exactly what keep=tril gives
+    -- forward and every gradient, with padding on top, a stochastically rounded dS, several tiles each way
+    and T not a multiple of them; a wrong skip bound (one tile too few) would drop keys or queries."""
+    from hf_fp4.kernels.attention import flash_backward, flash_forward
+    from hf_fp4.nn.attention import tensor_core_operand
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(13)
+    t = 70
+    ops = [tensor_core_operand(torch.randn(1, 2, t, D, generator=g), QuantSpec.preset("nvfp4"), 0) for _ in range(3)]
+    (qh, kh, vh), decodes = (o[0].to(dev) for o in ops), torch.stack([o[1] for o in ops]).to(dev)
+    do = torch.randn(1, 2, t, D, generator=g).to(torch.bfloat16).to(dev)
+    pad = torch.ones(1, 1, t, t, dtype=torch.bool, device=dev)
+    pad[..., :5] = False
+    tril = torch.ones(t, t, dtype=torch.bool, device=dev).tril()
+    for keep in (None, pad):
+        masked = tril if keep is None else keep & tril
+        out = flash_forward(qh, kh, vh, masked, D ** -0.5, decodes, tile)
+        assert torch.equal(flash_forward(qh, kh, vh, keep, D ** -0.5, decodes, tile, causal=True), out)
+        grads = flash_backward(qh, kh, vh, out, do, masked, D ** -0.5, BWD_SPECS[name], 3, decodes, tile)
+        causal = flash_backward(qh, kh, vh, out, do, keep, D ** -0.5, BWD_SPECS[name], 3, decodes, tile, causal=True)
+        for got, want in zip(causal, grads):
+            assert torch.equal(got, want)
+    full = flash_forward(qh, kh, vh, None, D ** -0.5, decodes, tile)
+    assert not torch.equal(full, out)  # the causal mask matters for these inputs
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fp4_attention_on_the_triton_backend_matches_the_reference(dtype):
     """fp4_attention(backend="triton"): the flash kernels' output and gradients match the reference path's

@@ -141,10 +141,11 @@ def _probabilities(qh, kh, scale, keep):
 
 class FP4AttentionFunction(torch.autograd.Function):
     """q [B, H, Tq, D], k / v [B, H, Tk, D] (GQA already expanded), keep: bool [B or 1, H or 1, Tq, Tk] or
-    None.  Returns O [B, H, Tq, D] in q's dtype."""
+    None; causal: also key <= query.  Returns O [B, H, Tq, D] in q's dtype."""
 
     @staticmethod
-    def forward(ctx, q, k, v, keep, scale: float, recipe: AttentionRecipe, seed: int, backend: str = "reference"):
+    def forward(ctx, q, k, v, keep, scale: float, recipe: AttentionRecipe, seed: int, backend: str = "reference",
+                causal: bool = False):
         args = [(t, getattr(recipe, n), seed + i) for i, (t, n) in enumerate(((q, "q"), (k, "k"), (v, "v")))]
         # the flash kernels take exact BF16 values and tensor decodes; their product is the reference's values
         ops = [tensor_core_operand(*a) for a in args] if backend == "triton" else [None] * 3
@@ -155,13 +156,13 @@ class FP4AttentionFunction(torch.autograd.Function):
             if all(o is not None for o in ops):  # exact BF16 values: the tensor cores (saved as such)
                 decodes = torch.stack([o[1] for o in ops])
                 qh, kh, vh = (o[0] for o in ops)
-            out = flash_forward(qh, kh, vh, keep, scale, decodes).to(q.dtype)
+            out = flash_forward(qh, kh, vh, keep, scale, decodes, causal=causal).to(q.dtype)
         else:
-            p = _probabilities(qh, kh, scale, keep)
+            p = _probabilities(qh, kh, scale, _with_causal(keep, causal, q.shape[2], k.shape[2], q.device))
             out = (p.to(torch.bfloat16).float() @ vh).to(q.dtype)
         ctx.save_for_backward(qh, kh, vh, out, keep, decodes)
         ctx.scale, ctx.recipe, ctx.seed, ctx.dtypes = scale, recipe, seed, (q.dtype, k.dtype, v.dtype)
-        ctx.backend = backend
+        ctx.backend, ctx.causal = backend, causal
         return out
 
     @staticmethod
@@ -171,9 +172,10 @@ class FP4AttentionFunction(torch.autograd.Function):
         if ctx.backend == "triton":  # the flash backward: dS quantized in registers (hf_fp4.kernels.attention)
             from ..kernels.attention import flash_backward
             dq, dk, dv = flash_backward(qh, kh, vh, out, d_out, keep, ctx.scale, ctx.recipe.ds, ctx.seed + 3,
-                                        decodes)
-            return dq.to(q_dtype), dk.to(k_dtype), dv.to(v_dtype), None, None, None, None, None
-        p = _probabilities(qh, kh, ctx.scale, keep)  # recomputed from the saved quantized Q^, K^
+                                        decodes, causal=ctx.causal)
+            return dq.to(q_dtype), dk.to(k_dtype), dv.to(v_dtype), None, None, None, None, None, None
+        # recomputed from the saved quantized Q^, K^
+        p = _probabilities(qh, kh, ctx.scale, _with_causal(keep, ctx.causal, qh.shape[2], kh.shape[2], qh.device))
         d_out = d_out.float()
         dv = p.to(torch.bfloat16).float().transpose(-1, -2) @ d_out
         dp = d_out @ vh.transpose(-1, -2)
@@ -181,14 +183,24 @@ class FP4AttentionFunction(torch.autograd.Function):
         ds_keys, ds_queries = _ds_operands(ds, ctx.recipe.ds, ctx.seed + 3)
         dq = (ds_keys @ kh) * ctx.scale
         dk = (ds_queries.transpose(-1, -2) @ qh) * ctx.scale
-        return dq.to(q_dtype), dk.to(k_dtype), dv.to(v_dtype), None, None, None, None, None
+        return dq.to(q_dtype), dk.to(k_dtype), dv.to(v_dtype), None, None, None, None, None, None
+
+
+def _with_causal(keep, causal: bool, q_len: int, kv_len: int, device):
+    """keep and, when causal, key <= query (aligned at the start, as Transformers' SDPA path)."""
+    if not causal:
+        return keep
+    tril = torch.ones(q_len, kv_len, dtype=torch.bool, device=device).tril()
+    return tril if keep is None else keep & tril
 
 
 def fp4_attention(q, k, v, keep=None, scale: float | None = None, recipe: "AttentionRecipe | str | dict" = "nvfp4",
-                  seed: int = 0, backend: str = "reference") -> torch.Tensor:
+                  seed: int = 0, backend: str = "reference", causal: bool = False) -> torch.Tensor:
     """FP4 attention of q [B, H, Tq, D] and k, v [B, Hkv, Tk, D] (Hkv divides H); keep: a boolean mask
-    (True: attend) broadcastable to [B, H, Tq, Tk], or None (no mask).  backend "triton": the flash kernels
-    (hf_fp4.kernels.attention; equal to the reference within the BF16 rounding of P and FP32 arithmetic)."""
+    (True: attend) broadcastable to [B, H, Tq, Tk], or None (no mask); causal: also key <= query (the flash
+    kernels compute it and skip the tiles above the diagonal; the same result as keep=tril).  backend
+    "triton": the flash kernels (hf_fp4.kernels.attention; equal to the reference within the BF16 rounding of P
+    and FP32 arithmetic)."""
     if backend not in ("reference", "triton"):
         raise ValueError(f"fp4_attention: unknown backend {backend!r}; valid: reference, triton")
     if q.shape[1] % k.shape[1]:
@@ -197,7 +209,8 @@ def fp4_attention(q, k, v, keep=None, scale: float | None = None, recipe: "Atten
     if groups > 1:
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return FP4AttentionFunction.apply(q, k, v, keep, float(scale), AttentionRecipe.build(recipe), int(seed), backend)
+    return FP4AttentionFunction.apply(q, k, v, keep, float(scale), AttentionRecipe.build(recipe), int(seed), backend,
+                                      bool(causal))
 
 
 # The reference runs eagerly inside a compiled block (one graph break per attention call): traced, its
@@ -205,15 +218,13 @@ def fp4_attention(q, k, v, keep=None, scale: float | None = None, recipe: "Atten
 _fp4_attention_outside_compile = torch.compiler.disable(fp4_attention)
 
 
-def _keep_mask(attention_mask, q_len: int, kv_len: int, causal: bool, device) -> torch.Tensor | None:
+def _keep_mask(attention_mask, kv_len: int) -> torch.Tensor | None:
     """Transformers' SDPA-style mask (bool True = attend, or additive float) as a boolean keep mask."""
-    if attention_mask is not None:
-        if attention_mask.dtype == torch.bool:
-            return attention_mask[..., :kv_len]
-        return attention_mask[..., :kv_len] > torch.finfo(attention_mask.dtype).min / 2
-    if causal:
-        return torch.ones(q_len, kv_len, dtype=torch.bool, device=device).tril()
-    return None
+    if attention_mask is None:
+        return None
+    if attention_mask.dtype == torch.bool:
+        return attention_mask[..., :kv_len]
+    return attention_mask[..., :kv_len] > torch.finfo(attention_mask.dtype).min / 2
 
 
 def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -238,9 +249,9 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if recipe.stochastic:  # a fresh Philox stream per call
         seed = getattr(module, "_hf_fp4_attention_calls", 0)
         module._hf_fp4_attention_calls = seed + 4
-    keep = _keep_mask(attention_mask, q_len, kv_len, causal, query.device)
+    keep = _keep_mask(attention_mask, kv_len)
     backend = getattr(config, "hf_fp4_attention_backend", "reference")
-    out = _fp4_attention_outside_compile(query, key, value, keep, scaling, recipe, seed, backend)
+    out = _fp4_attention_outside_compile(query, key, value, keep, scaling, recipe, seed, backend, causal)
     return out.transpose(1, 2).contiguous(), None
 
 
