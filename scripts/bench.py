@@ -388,12 +388,11 @@ def bench_attention(dev, quick, results):
     b, h, hkv, t, d = (1, 4, 2, 64, 32) if quick else (1, 32, 8, 4096, 128)
     g = torch.Generator(device=dev).manual_seed(0)
     q, k, v = (torch.randn(b, n, t, d, device=dev, dtype=torch.bfloat16, generator=g) for n in (h, hkv, hkv))
-    keep = torch.ones(t, t, dtype=torch.bool, device=dev).tril()
     impls = {"sdpa": lambda q, k, v: nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
                                                                                  enable_gqa=True),
-             "hf_fp4:nvfp4:reference": lambda q, k, v: fp4_attention(q, k, v, keep, recipe="nvfp4"),
-             "hf_fp4:nvfp4:triton": lambda q, k, v: fp4_attention(q, k, v, keep, recipe="nvfp4",
-                                                                          backend="triton")}
+             "hf_fp4:nvfp4:reference": lambda q, k, v: fp4_attention(q, k, v, recipe="nvfp4", causal=True),
+             "hf_fp4:nvfp4:triton": lambda q, k, v: fp4_attention(q, k, v, recipe="nvfp4", backend="triton",
+                                                                  causal=True)}
     if dev != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         del impls["hf_fp4:nvfp4:triton"]  # Triton on the CPU needs its interpreter
     rows = []
