@@ -100,11 +100,13 @@ def main():
                    help="FP8 GEMM error against the FP32 accumulation bound, by contraction length")
     p.add_argument("--mutations", action="store_true",
                    help="which arguments torch.compile believes each kernel writes (it copies those inputs)")
-    p.add_argument("--optim", action="store_true", help="optimizer steps of bench.py's OPTIMIZERS: op table, syncs")
+    p.add_argument("--optim", default=None,
+                   help="comma list of bench.py OPTIMIZERS labels (adamw, fp4_adamw, muon, muon+nvfp4_ns) or 'all': "
+                        "one optimizer step each, op table, syncs")
     args = p.parse_args()
     dev = "cuda"
     if args.optim:
-        profile_optim(dev)
+        profile_optim(dev, args.optim.split(","))
         return
     if args.gemm:
         gemm_granularity(dev)
@@ -375,7 +377,7 @@ def profile_e2e(name: str, steps: int = 3) -> None:
     torch.cuda.empty_cache()
 
 
-def profile_optim(dev: str, steps: int = 2) -> None:
+def profile_optim(dev: str, labels: list[str], steps: int = 1) -> None:
     """Each optimizer of bench.py's OPTIMIZERS: its step alone (gradients from one backward), wall ms, GPU busy
     ms, synchronisations, and the ops that take the host's and the GPU's time."""
     import sys
@@ -391,13 +393,16 @@ def profile_optim(dev: str, steps: int = 2) -> None:
     kwargs = {k: v for k, v in model_cfg.items() if k != "model_type"}
     kwargs["vocab_size"] = int(cfg["vocab_size"])
     for name, options in OPTIMIZERS:
+        label = name + ("+" + options["ns_spec"] + "_ns" if options.get("ns_spec") else "")
+        if label not in labels and labels != ["all"]:
+            continue
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(LlamaConfig(**kwargs)).to(dev)
         opt = build_optimizer(name, param_groups(model, name, 0.1), 1e-3, (0.9, 0.95), dict(options))
         ids = torch.randint(0, kwargs["vocab_size"], (2, 256), device=dev)
         model(input_ids=ids, labels=ids).loss.backward()
-        opt.step()  # the state exists
-        wall = event_ms(opt.step, 3)
+        opt.step()  # the state exists (and the kernels are compiled)
+        wall = event_ms(opt.step, 2)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                 torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(steps):
@@ -406,11 +411,17 @@ def profile_optim(dev: str, steps: int = 2) -> None:
         table = prof.key_averages()
         gpu = sum(e.self_device_time_total for e in table if e.device_type == torch.autograd.DeviceType.CUDA)
         syncs = sum(e.count for e in table if "Synchronize" in e.key or e.key == "aten::_local_scalar_dense")
-        label = name + ("+" + options["ns_spec"] + "_ns" if options.get("ns_spec") else "")
         print(f"\n## {label}: step {wall:.1f} ms wall, {gpu / 1e3 / steps:.1f} ms of kernels, "
               f"{syncs / steps:.0f} syncs/step")
-        print(table.table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=60))
+        print(table.table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=60), flush=True)
         print(table.table(sort_by="self_cuda_time_total", row_limit=8, max_name_column_width=60))
+        import cProfile
+        import pstats
+
+        host = cProfile.Profile()
+        host.runcall(opt.step)
+        torch.cuda.synchronize()
+        pstats.Stats(host).sort_stats("tottime").print_stats(16)  # where the host's time goes
         del model, opt
         torch.cuda.empty_cache()
 
