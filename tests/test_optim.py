@@ -135,6 +135,24 @@ def test_newton_schulz_in_bf16_pushes_every_singular_value_near_one(shape):
     assert len(s) > 10 and s.min() > 0.6 and s.max() < 1.25, (len(s), s.min(), s.max())
 
 
+def test_muon_orthogonalises_each_same_shaped_matrix_on_its_own_in_one_batch():
+    """Muon stacks its same-shaped matrices into one batched Newton-Schulz: each parameter's step equals the
+    step of a Muon that holds it alone (its own norm, nothing shared across the stack), for BF16 and for
+    NVFP4 operands (whose tensor scale is per matrix)."""
+    shapes = [(48, 96), (48, 96), (96, 48), (48, 96)]
+    for options in ({}, {"ns_spec": "nvfp4", "ns_iteration": "cubic", "ns_steps": 6}):
+        together = [params(shape=s) for s in shapes]
+        alone = [params(shape=s) for s in shapes]
+        for i, (a, b) in enumerate(zip(together, alone)):
+            a.grad = spread(shapes[i], seed=i) * (10.0 ** i)  # norms decades apart: a shared norm would show
+            b.grad = a.grad.clone()
+        Muon([{"params": together, "muon": True}], **options).step()
+        for b in alone:
+            Muon([{"params": [b], "muon": True}], **options).step()
+        for a, b in zip(together, alone):
+            torch.testing.assert_close(a, b, rtol=0, atol=2e-6)
+
+
 def test_with_nvfp4_operands_the_cubic_iteration_converges_and_the_quintic_diverges():
     """The measured reason Muon refuses ns_spec with the quintic iteration."""
     g = spread((128, 384))

@@ -26,19 +26,24 @@ def _matmul(a: torch.Tensor, b: torch.Tensor, spec: QuantSpec | None) -> torch.T
 def newton_schulz(g: torch.Tensor, steps: int = 5, spec: "QuantSpec | str | None" = None,
                   iteration: str = "quintic") -> torch.Tensor:
     """Approximately U V^T of g = U S V^T, every matmul in BF16 or, with `spec` (e.g. "nvfp4"), with quantized
-    operands.  Returns FP32 of g's shape.  See NS_ITERATIONS for the two iterations."""
+    operands.  Returns FP32 of g's shape.  See NS_ITERATIONS for the two iterations.  g may be a stack
+    [B, m, n] of matrices: each is orthogonalised alone (its own norm), in batched matmuls in BF16 -- Muon
+    steps its same-shaped matrices so, a launch per matmul for all of them -- and one by one with `spec` (a
+    quantized operand's tensor scale is its own matrix's)."""
     spec = as_spec(spec) if spec is not None else None
+    if spec is not None and g.dim() == 3:
+        return torch.stack([newton_schulz(m, steps, spec, iteration) for m in g])
     a, b, c = NS_ITERATIONS[iteration]
     x = g.float()
-    tall = x.shape[0] > x.shape[1]
+    tall = x.shape[-2] > x.shape[-1]
     if tall:
-        x = x.t()
-    x = x / (x.norm() + 1e-7)
+        x = x.mT
+    x = x / (torch.linalg.matrix_norm(x, keepdim=True) + 1e-7)
     for _ in range(steps):
-        s = _matmul(x, x.t(), spec).float()
+        s = _matmul(x, x.mT, spec).float()
         poly = b * s + c * _matmul(s, s, spec).float() if c else b * s
         x = a * x + _matmul(poly, x, spec).float()
-    return x.t() if tall else x
+    return x.mT if tall else x
 
 
 class Muon(torch.optim.Optimizer):
@@ -76,16 +81,14 @@ class Muon(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         loss = _run_closure(closure)
+        batches: dict[tuple, list] = {}  # Muon's matrices by (shape, device, group): one batched Newton-Schulz each
         for group, p in _with_grads(self):
             g, state = p.grad.float(), self.state[p]
             if group["muon"]:
                 buf = state.setdefault("momentum_buffer", torch.zeros_like(g))
                 buf.mul_(group["momentum"]).add_(g)
-                u = newton_schulz(g.add(buf, alpha=group["momentum"]), group["ns_steps"], self.ns_spec,
-                                  self.ns_iteration)
-                scale = max(1.0, p.shape[0] / p.shape[1]) ** 0.5
-                master = p.float().mul_(1 - group["lr"] * group["weight_decay"])
-                p.copy_(master.add_(u, alpha=-group["lr"] * scale))
+                key = (tuple(p.shape), p.device, id(group))
+                batches.setdefault(key, []).append((group, p, g.add(buf, alpha=group["momentum"])))
                 continue
             b1, b2 = group["betas"]
             if not state:
@@ -98,6 +101,14 @@ class Muon(torch.optim.Optimizer):
             denom = (state["v"] / (1 - b2 ** t)).sqrt_().add_(group["eps"])
             master = p.float().mul_(1 - group["lr"] * group["weight_decay"])
             p.copy_(master.addcdiv_(state["m"], denom, value=-group["lr"] / (1 - b1 ** t)))
+        for items in batches.values():
+            group = items[0][0]
+            us = newton_schulz(torch.stack([u for _, _, u in items]), group["ns_steps"], self.ns_spec,
+                               self.ns_iteration)
+            for (_, p, _), u in zip(items, us):
+                scale = max(1.0, p.shape[0] / p.shape[1]) ** 0.5
+                master = p.float().mul_(1 - group["lr"] * group["weight_decay"])
+                p.copy_(master.add_(u, alpha=-group["lr"] * scale))
         return loss
 
 
