@@ -261,3 +261,21 @@ def test_spec_round_trips_and_replace_validates():
     assert spec.rounding is hf_fp4.Rounding.STOCHASTIC
     with pytest.raises(ValueError):
         dataclasses.replace(spec, rounding="sideways")
+
+
+@pytest.mark.parametrize("name", QuantSpec.presets())
+def test_fast_dequantize_is_the_reference_dequantize_bit_for_bit(name):
+    """hf_fp4.nn.backends.fast_dequantize (byte lookup tables + broadcast block scales, FP4AdamW's state
+    decode) equals QuantizedTensor.dequantize exactly: values over many octaves, a zero block, ragged
+    (padded) rows and columns, and a 3-D tensor."""
+    from hf_fp4.nn.backends import fast_dequantize
+    from hf_fp4.numerics.quantize import quantize as reference_quantize
+
+    spec = QuantSpec.preset(name)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 19, 70, generator=g) * torch.logspace(-6, 6, 70)
+    x[0, :16, :32] = 0
+    q = reference_quantize(x.reshape(-1, 70), spec)
+    assert torch.equal(fast_dequantize(q), q.dequantize())
+    q3 = reference_quantize(x, spec)
+    assert torch.equal(fast_dequantize(q3), q3.dequantize()) and fast_dequantize(q3).shape == x.shape
