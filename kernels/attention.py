@@ -21,6 +21,14 @@ from torch.library import wrap_triton
 
 from .numerics import quantize_tile, round_to_bf16, tensor_encode_scale
 
+#: (query rows, keys, warps) of a program on the tensor cores' path, forward and backward (a tile argument
+#: overrides them), chosen from sm_90 compiles (ptxas -v, 2026-12-02): the forward at 128 x 64 runs on wgmma
+#: (32 x 32 compiled to mma.sync only) in 254 registers without spills; the backward's dK/dV kernel spills from
+#: 64 x 32 on, 32 x 64 does not.  Not yet timed on the GPU: `scripts/profile_fast_path.py --attention-tiles`.
+FORWARD_TILE = (128, 64, 8)
+BACKWARD_TILE = (32, 64, 4)
+IEEE_TILE = (32, 32, 4)  # FP32 operands (IEEE dots): twice the bytes and registers per element
+
 
 @triton.jit
 def _dot(a, b, TC: tl.constexpr, INTERPRETED: tl.constexpr):
@@ -98,8 +106,15 @@ def _flash_forward_kernel(q_ptr, k_ptr, v_ptr, dec_ptr, keep_ptr, o_ptr, H, TQ, 
     tl.store(o_ptr + b * so_b + h * so_h + rows[:, None] * so_t + d[None, :], out, mask=rows[:, None] < TQ)
 
 
+def _tile(tile: tuple[int, ...] | None, default: tuple[int, int, int]) -> tuple[int, int, int]:
+    """(rows, keys, warps) from a tile argument (rows, keys[, warps]) or the default."""
+    if tile is None:
+        return default
+    return (*tile, 4) if len(tile) == 2 else tuple(tile)
+
+
 def flash_forward(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, keep: torch.Tensor | None, scale: float,
-                  decodes: torch.Tensor | None = None, tile: tuple[int, int] = (32, 32),
+                  decodes: torch.Tensor | None = None, tile: tuple[int, ...] | None = None,
                   causal: bool = False) -> torch.Tensor:
     """O [B, H, TQ, D] in FP32 from Q^ [B, H, TQ, D], K^ and V^ [B, H, TK, D] and a boolean keep mask
     broadcastable to [B, H, TQ, TK] (or None); causal: also key <= query (computed, no mask read; the key
@@ -123,13 +138,13 @@ def flash_forward(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, keep: to
         mask_strides = keep.stride()
     else:
         keep, mask_strides = torch.empty(1, dtype=torch.int8, device=qh.device), (0, 0, 0, 0)
-    bm, bn = tile
+    bm, bn, warps = _tile(tile, FORWARD_TILE if tc else IEEE_TILE)
     grid = (triton.cdiv(tq, bm), bsz * heads)
     wrap_triton(_flash_forward_kernel)[grid](
         qh, kh, vh, decodes.float(), keep, out, heads, tq, tk, float(scale), *qh.stride()[:3], *kh.stride()[:3],
         *vh.stride()[:3], *mask_strides, *out.stride()[:3], BM=bm, BN=bn, D=dim, HAS_KEEP=has_keep,
         CAUSAL=causal, TC=tc,
-        INTERPRETED=not qh.is_cuda, num_warps=4)
+        INTERPRETED=not qh.is_cuda, num_warps=warps)
     return out
 
 
@@ -301,7 +316,7 @@ def _dkdv_kernel(q_ptr, k_ptr, v_ptr, dec_ptr, do_ptr, delta_ptr, lse_ptr, stat_
 
 
 def flash_backward(qh, kh, vh, out, d_out, keep, scale: float, ds_spec, seed: int, decodes: torch.Tensor | None = None,
-                   tile: tuple[int, int] = (32, 32), debug: bool = False, causal: bool = False):
+                   tile: tuple[int, ...] | None = None, debug: bool = False, causal: bool = False):
     """dQ, dK, dV in FP32 ([B, H, T, D], GQA expanded) of hf_fp4.nn.attention's backward, from the saved Q^, K^, V^
     (FP32 values, or exact BF16 values with their tensor `decodes` [3] as flash_forward takes them), the forward
     output and dO; ds_spec: dS's QuantSpec (None: high precision).  The tensor cores run every GEMM when the
@@ -336,7 +351,7 @@ def flash_backward(qh, kh, vh, out, d_out, keep, scale: float, ds_spec, seed: in
         mask_strides = keep_t.stride()
     else:
         keep_t, mask_strides = torch.empty(1, dtype=torch.int8, device=dev), (0, 0, 0, 0)
-    bm, bn = tile
+    bm, bn, warps = _tile(tile, BACKWARD_TILE if tc else IEEE_TILE)
     quant = dict(QUANT=False, SQUARE=False, BR=1, BC=16, **grid_constants(Grid.E2M1), SCALE=0, SR=False)
     rows_q, rows_k, kp_q, kp_k = tq, tk, tk, tq
     if ds_spec is not None:
@@ -357,5 +372,5 @@ def flash_backward(qh, kh, vh, out, d_out, keep, scale: float, ds_spec, seed: in
     kernels = {0: _lse_kernel, 1: _dq_kernel, 2: _dq_kernel, 3: _dkdv_kernel}
     for phase in phases:
         grid = (triton.cdiv(tk, bn) if phase == 3 else triton.cdiv(tq, bm), bsz * heads)
-        wrap_triton(kernels[phase])[grid](*args, PHASE=phase, num_warps=4, **consts)
+        wrap_triton(kernels[phase])[grid](*args, PHASE=phase, num_warps=warps, **consts)
     return (dq, dk, dv, dbg) if debug else (dq, dk, dv)

@@ -16,7 +16,9 @@
 5. --gemm: cuBLAS FP8 GEMM time by scale granularity (tensor, row, 1x128) against BF16, at bench.py's shapes;
    --triton-gemm: a Triton 1x128 FP8 GEMM (exactness per accumulation variant, time);
    --fp8-accuracy: the FP8 GEMMs' worst error against the FP32 accumulation bound, by contraction length.
-6. --optim: torch.profiler over optimizer steps on bench-50m's model (bench.py's OPTIMIZERS): host and GPU
+6. --attention-tiles: the flash kernels' time per tile (rows x keys x warps) at bench.py's attention shape
+   (causal, NVFP4 Q/K/V/dS on the tensor cores), forward and backward, against SDPA.
+7. --optim: torch.profiler over optimizer steps on bench-50m's model (bench.py's OPTIMIZERS): host and GPU
    time per op, and the host-device synchronisations per step.
 """
 from __future__ import annotations
@@ -103,8 +105,12 @@ def main():
     p.add_argument("--optim", default=None,
                    help="comma list of bench.py OPTIMIZERS labels (adamw, fp4_adamw, muon, muon+nvfp4_ns) or 'all': "
                         "one optimizer step each, op table, syncs")
+    p.add_argument("--attention-tiles", action="store_true", help="flash kernels' ms per tile, against SDPA")
     args = p.parse_args()
     dev = "cuda"
+    if args.attention_tiles:
+        attention_tiles(dev)
+        return
     if args.optim:
         profile_optim(dev, args.optim.split(","))
         return
@@ -375,6 +381,39 @@ def profile_e2e(name: str, steps: int = 3) -> None:
         print(f"| {e.key[:70]} | {ms:.2f} | {ms / gpu_ms:.0%} |")
     del model, opt
     torch.cuda.empty_cache()
+
+
+def attention_tiles(dev: str) -> None:
+    """Forward and backward ms of the flash kernels per tile on B1 H32 T4096 D128 (GQA expanded), causal, NVFP4
+    operands as the tensor cores take them, against SDPA's flash backend on the same bf16 inputs."""
+    from hf_fp4.kernels import attention as kernels
+    from hf_fp4.nn.attention import tensor_core_operand
+
+    b, h, t, d = 1, 32, 4096, 128
+    g = torch.Generator(device=dev).manual_seed(0)
+    q, k, v, do = (torch.randn(b, h, t, d, device=dev, dtype=torch.bfloat16, generator=g) for _ in range(4))
+    ops = [tensor_core_operand(x, QuantSpec.preset("nvfp4"), 0) for x in (q, k, v)]
+    (qh, kh, vh), decodes = (o[0] for o in ops), torch.stack([o[1] for o in ops])
+    sdpa_f = graph_ms(lambda: nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))
+    qq, kk, vv = (x.detach().requires_grad_() for x in (q, k, v))
+    out = nn.functional.scaled_dot_product_attention(qq, kk, vv, is_causal=True)
+    sdpa_b = event_ms(lambda: torch.autograd.grad(out, (qq, kk, vv), do, retain_graph=True), 10)
+    print(f"sdpa: fwd {sdpa_f:.3f} ms, bwd {sdpa_b:.3f} ms")
+    spec = QuantSpec.preset("nvfp4")
+    o = kernels.flash_forward(qh, kh, vh, None, d ** -0.5, decodes, causal=True)
+    for tile in ((32, 32, 4), (64, 32, 4), (64, 64, 4), (64, 64, 8), (128, 32, 8), (128, 64, 8), (128, 128, 8)):
+        try:
+            ms = graph_ms(lambda: kernels.flash_forward(qh, kh, vh, None, d ** -0.5, decodes, tile, causal=True))
+            print(f"fwd {tile}: {ms:.3f} ms ({sdpa_f / ms:.2f}x sdpa)", flush=True)
+        except Exception as err:  # noqa: BLE001 - a tile the GPU cannot run
+            print(f"fwd {tile}: {type(err).__name__} {str(err)[:120]}", flush=True)
+    for tile in ((32, 32, 4), (32, 64, 4), (64, 32, 4), (64, 64, 4), (64, 64, 8)):
+        try:
+            ms = event_ms(lambda: kernels.flash_backward(qh, kh, vh, o, do, None, d ** -0.5, spec, 3, decodes, tile,
+                                                         causal=True), 5)
+            print(f"bwd {tile}: {ms:.3f} ms ({sdpa_b / ms:.2f}x sdpa)", flush=True)
+        except Exception as err:  # noqa: BLE001
+            print(f"bwd {tile}: {type(err).__name__} {str(err)[:120]}", flush=True)
 
 
 def profile_optim(dev: str, labels: list[str], steps: int = 1) -> None:

@@ -80,13 +80,14 @@ def backward_cases():
                  **{p: "*fp32" for p in ("dec_ptr", "delta_ptr", "lse_ptr", "stat_ptr", "dq_ptr", "dk_ptr", "dv_ptr",
                                          "dbg_ptr")}}
         for name in ("nvfp4", "nvfp4_2d", "mxfp4"):
-            consts = dict(BM=32, BN=32, D=128, HAS_KEEP=True, DEBUG=False, TC=tc, INTERPRETED=False,
+            bm, bn, warps = attention.BACKWARD_TILE if tc else attention.IEEE_TILE
+            consts = dict(BM=bm, BN=bn, D=128, HAS_KEEP=True, CAUSAL=True, DEBUG=False, TC=tc, INTERPRETED=False,
                           **quant_constants(name))
             for phase, kernel in ((0, attention._lse_kernel), (1, attention._dq_kernel), (2, attention._dq_kernel),
                                   (3, attention._dkdv_kernel)):
                 if phase == 1 and consts["SCALE"] != 2:
                     continue
-                yield f"bwd{phase}-{name}-tc{int(tc)}", kernel, types, {**consts, "PHASE": phase}
+                yield f"bwd{phase}-{name}-tc{int(tc)}", kernel, types, {**consts, "PHASE": phase}, warps
 
 
 def cases():
@@ -96,8 +97,10 @@ def cases():
     for tc, t in ((True, "*bf16"), (False, "*fp32")):
         types = {"q_ptr": t, "k_ptr": t, "v_ptr": t, "dec_ptr": "*fp32", "keep_ptr": "*i8", "o_ptr": "*fp32",
                  "scale": "fp32"}
-        yield f"fwd-tc{int(tc)}", attention._flash_forward_kernel, types, dict(BM=32, BN=32, D=128, HAS_KEEP=True,
-                                                                                 TC=tc, INTERPRETED=False)
+        bm, bn, warps = attention.FORWARD_TILE if tc else attention.IEEE_TILE
+        for causal in (False, True):
+            yield f"fwd-tc{int(tc)}-causal{int(causal)}", attention._flash_forward_kernel, types, dict(
+                BM=bm, BN=bn, D=128, HAS_KEEP=not causal, CAUSAL=causal, TC=tc, INTERPRETED=False), warps
     yield from backward_cases()
     for name in ("nvfp4", "mxfp4"):
         spec = QuantSpec.preset(name)
