@@ -250,8 +250,10 @@ def test_fp4_attention_on_the_triton_backend_matches_the_reference(dtype):
     for g, w in zip(grads[1][:2], grads[0][:2]):  # dQ, dK through FP4 dS: a nudged dS may flip a rounding
         assert torch.isfinite(g).all()
         assert torch.nn.functional.cosine_similarity(g.flatten(), w.flatten(), dim=0) > 0.99
-    with pytest.raises(ValueError, match="unknown backend"):
+    with pytest.raises(ValueError, match="unknown backend 'cuda'; valid: auto, reference, triton"):
         fp4_attention(q, k, v, keep, backend="cuda")
+    auto = fp4_attention(q, k, v, keep, recipe="mxfp4", backend="auto")  # the kernels on CUDA, else the reference
+    assert torch.equal(auto, outs[1] if q.is_cuda else outs[0])
 
 
 def test_recipe_input_is_checked():

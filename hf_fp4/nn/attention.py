@@ -18,8 +18,9 @@ quantizers are straight-through.  Every format is a QuantSpec of an `AttentionRe
 `attention_forward` is registered with Transformers' attention interface as attn_implementation="hf_fp4"
 (causal, GQA, padding masks, sliding windows: it takes the boolean masks Transformers builds for SDPA), and
 `FP4TrainConfig(..., attention="nvfp4")` switches a model to it.  Stochastic-rounding specs draw their
-Philox seeds from a per-module call counter.  The Triton flash kernels (`backend="triton"`, or
-`config.hf_fp4_attention_backend = "triton"`; hf_fp4.kernels.attention) compute the same without
+Philox seeds from a per-module call counter.  The Triton flash kernels (`backend="triton"`; in a model
+`config.hf_fp4_attention_backend`, "auto" by default: the kernels on CUDA, the reference elsewhere;
+hf_fp4.kernels.attention) compute the same without
 materialising S, P or dS: within the BF16 rounding of P and FP32 arithmetic of this reference, with dS
 quantized in registers exactly as quantize_rows would quantize the kernel's own dS.
 """
@@ -194,15 +195,20 @@ def _with_causal(keep, causal: bool, q_len: int, kv_len: int, device):
     return tril if keep is None else keep & tril
 
 
+ATTENTION_BACKENDS = ("auto", "reference", "triton")
+
+
 def fp4_attention(q, k, v, keep=None, scale: float | None = None, recipe: "AttentionRecipe | str | dict" = "nvfp4",
                   seed: int = 0, backend: str = "reference", causal: bool = False) -> torch.Tensor:
     """FP4 attention of q [B, H, Tq, D] and k, v [B, Hkv, Tk, D] (Hkv divides H); keep: a boolean mask
     (True: attend) broadcastable to [B, H, Tq, Tk], or None (no mask); causal: also key <= query (the flash
     kernels compute it and skip the tiles above the diagonal; the same result as keep=tril).  backend
     "triton": the flash kernels (hf_fp4.kernels.attention; equal to the reference within the BF16 rounding of P
-    and FP32 arithmetic)."""
-    if backend not in ("reference", "triton"):
-        raise ValueError(f"fp4_attention: unknown backend {backend!r}; valid: reference, triton")
+    and FP32 arithmetic); "auto": the kernels on CUDA, the reference elsewhere (a model's default)."""
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"fp4_attention: unknown backend {backend!r}; valid: {', '.join(ATTENTION_BACKENDS)}")
+    if backend == "auto":
+        backend = "triton" if q.is_cuda else "reference"
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"fp4_attention: {q.shape[1]} query heads are not a multiple of {k.shape[1]} key heads")
     groups = q.shape[1] // k.shape[1]
@@ -250,7 +256,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         seed = getattr(module, "_hf_fp4_attention_calls", 0)
         module._hf_fp4_attention_calls = seed + 4
     keep = _keep_mask(attention_mask, kv_len)
-    backend = getattr(config, "hf_fp4_attention_backend", "reference")
+    backend = getattr(config, "hf_fp4_attention_backend", "auto")
     out = _fp4_attention_outside_compile(query, key, value, keep, scaling, recipe, seed, backend, causal)
     return out.transpose(1, 2).contiguous(), None
 
