@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from torch.library import wrap_triton
 
+from .launch import launcher
 from .numerics import quantize_tile, round_to_bf16, tensor_encode_scale
 
 #: (query rows, keys, warps) of a program on the tensor cores' path, forward and backward (a tile argument
@@ -140,7 +140,7 @@ def flash_forward(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, keep: to
         keep, mask_strides = torch.empty(1, dtype=torch.int8, device=qh.device), (0, 0, 0, 0)
     bm, bn, warps = _tile(tile, FORWARD_TILE if tc else IEEE_TILE)
     grid = (triton.cdiv(tq, bm), bsz * heads)
-    wrap_triton(_flash_forward_kernel)[grid](
+    launcher(_flash_forward_kernel)[grid](
         qh, kh, vh, decodes.float(), keep, out, heads, tq, tk, float(scale), *qh.stride()[:3], *kh.stride()[:3],
         *vh.stride()[:3], *mask_strides, *out.stride()[:3], BM=bm, BN=bn, D=dim, HAS_KEEP=has_keep,
         CAUSAL=causal, TC=tc,
@@ -372,5 +372,5 @@ def flash_backward(qh, kh, vh, out, d_out, keep, scale: float, ds_spec, seed: in
     kernels = {0: _lse_kernel, 1: _dq_kernel, 2: _dq_kernel, 3: _dkdv_kernel}
     for phase in phases:
         grid = (triton.cdiv(tk, bn) if phase == 3 else triton.cdiv(tq, bm), bsz * heads)
-        wrap_triton(kernels[phase])[grid](*args, PHASE=phase, num_warps=warps, **consts)
+        launcher(kernels[phase])[grid](*args, PHASE=phase, num_warps=warps, **consts)
     return (dq, dk, dv, dbg) if debug else (dq, dk, dv)

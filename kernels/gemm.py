@@ -26,8 +26,8 @@ import functools
 import torch
 import triton
 import triton.language as tl
-from torch.library import wrap_triton
 
+from .launch import launcher
 from .numerics import pow2
 
 
@@ -108,7 +108,7 @@ def correct_lost_tiles(out: torch.Tensor, a, b, a_blc: int, a_shift: int, b_blc:
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     if programs is None:
         programs = _programs(out.device.index or 0) if out.is_cuda else 4
-    wrap_triton(_correction_kernel)[(max(1, min(tiles, programs)),)](
+    launcher(_correction_kernel)[(max(1, min(tiles, programs)),)](
         out, m, n, out.stride(0), a.data, a.side, a.eb, a.scale, a.flags, a.data.shape[0],
         b.data, b.side, b.eb, b.scale, b.flags, b.data.shape[0], k,
         BM=bm, BN=bn, BK=min(bk, triton.next_power_of_2(k)), A_BLC=a_blc, A_SHIFT=a_shift, B_BLC=b_blc,

@@ -30,11 +30,11 @@ import math
 import torch
 import triton
 import triton.language as tl
-from torch.library import wrap_triton
 
 from hf_fp4.numerics.operand_plan import Operand, OperandPlan, empty_operand, fp8_dmax, fp8_shift
 from hf_fp4.numerics.spec import Rounding
 
+from .launch import launcher
 from .numerics import (block_max, encode_factor, e8m0_exponent, expand_blocks, grid_constants, hadamard, pow2,
                        round_grid, sr_uniforms, tensor_encode_scale, ue4m3_block_scale)
 from .quant import SCALE_CODES, load_tile
@@ -294,7 +294,7 @@ def triton_operands(t: torch.Tensor, plans: tuple[OperandPlan | None, OperandPla
     mu_t = mu.to(torch.float32) if mu is not None else unused
     signs_t = [s.to(device=dev, dtype=torch.float32) if s is not None else unused for s in signs]
     if any(p is not None and p.stat for p in plans):
-        wrap_triton(_stats_kernel)[(triton.cdiv(R, sbr), triton.cdiv(C, sbc))](
+        launcher(_stats_kernel)[(triton.cdiv(R, sbr), triton.cdiv(C, sbc))](
             t, R, C, s_r, s_c, mu_t, stats[0], signs_t[0], stats[1], signs_t[1],
             BR=sbr, BC=sbc, HAS_MU=mu is not None, EVEN=R % sbr == 0 and C % sbc == 0, num_warps=swarps,
             **stat_flags)
@@ -311,7 +311,7 @@ def triton_operands(t: torch.Tensor, plans: tuple[OperandPlan | None, OperandPla
         args += [data, r_alloc, k_alloc, stat, op.scale, seeds[i:], s, side, eb, flags, plan.k_padded(k)]
     # every tile inside t and inside both allocations (not padded past t): no masks
     even = R % br == 0 and C % bc == 0 and tuple(cover) == (R, C)
-    wrap_triton(_operand_kernel)[(triton.cdiv(cover[0], br), triton.cdiv(cover[1], bc))](
+    launcher(_operand_kernel)[(triton.cdiv(cover[0], br), triton.cdiv(cover[1], bc))](
         t, R, C, s_r, s_c, mu_t, *args, BR=br, BC=bc, HAS_MU=mu is not None, EVEN=even,
         INTERPRETED=dev.type == "cpu", RELOAD=bool(reload and reload[0]), num_warps=warps, **consts)
     return ops

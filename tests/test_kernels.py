@@ -468,3 +468,22 @@ def test_the_tile_fake_quantizer_is_the_reference(spec):
                                      **grid_constants(spec.grid), SCALE=SCALE_CODES[spec.scale], SR=sr)
     want = quantize(x, spec, seed=1234 if sr else None).dequantize(torch.float32)
     assert torch.equal(out, want), str(spec)
+
+
+def test_kernels_are_wrapped_for_the_compiler_only_while_one_traces():
+    """hf_fp4.kernels.launch: eager launches skip wrap_triton (torch 2.11 sends each through a higher-order op);
+    under dynamo and under the fake / proxy modes AOTAutograd and make_fx trace with, the launch is wrapped."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from hf_fp4.kernels.launch import tracing
+
+    assert not tracing()
+    with FakeTensorMode():
+        assert tracing()
+    traced = make_fx(lambda x: x + tracing())(torch.zeros(2))  # the graph recorded True
+    assert torch.equal(traced(torch.zeros(2)), torch.ones(2))
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(lambda x: x + tracing(), backend="eager", fullgraph=True)(torch.zeros(2)),
+                       torch.ones(2))
+    assert not tracing()
