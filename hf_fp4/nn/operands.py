@@ -187,8 +187,9 @@ def _(a_data, a_scale, a_side, a_eb, a_flags, b_data, b_scale, b_side, b_eb, b_f
 
 
 def gemm(a: Operand, b: Operand, plans: tuple[OperandPlan, OperandPlan], m: int, n: int,
-         out_dtype: torch.dtype, triton_ops: bool = True) -> torch.Tensor:
-    """a [M, K] @ b [N, K]^T -> [M, N] in out_dtype, by the form both plans share."""
+         out_dtype: torch.dtype, triton_ops: bool = True, direct: bool = False) -> torch.Tensor:
+    """a [M, K] @ b [N, K]^T -> [M, N] in out_dtype, by the form both plans share.  direct: the FP8 GEMM's
+    implementation called as a function, not through its custom op (code that is never compiled)."""
     form = plans[0].form
     if form == "hp":
         return (a.data @ b.data.t().to(a.data.dtype)).to(out_dtype)
@@ -197,6 +198,7 @@ def gemm(a: Operand, b: Operand, plans: tuple[OperandPlan, OperandPlan], m: int,
     if form == "fp8":
         pa, pb = plans
         op = _fp8_gemm_cuda_op if TRITON_OPS and triton_ops and a.data.is_cuda else _fp8_gemm_op
+        op = _fp8_gemm_kernels if direct else op
         return op(*a, *b, m, n, out_dtype, pa.spec.block[1], fp8_shift(pa.spec.grid),
                             pb.spec.block[1], fp8_shift(pb.spec.grid))
     # bf16: exact operands, FP32 accumulation, the two FP32 tensor scales on the output
@@ -223,9 +225,14 @@ def quantized_matmul(a: torch.Tensor, b: torch.Tensor, spec: QuantSpec, backend:
         "fp8" if fp8_gemms and fp8_capable(spec) else "bf16")
     plan = OperandPlan(spec, 0, False, form, max(16, spec.block[1]))
     seeds = torch.zeros(2, dtype=torch.int64, device=a.device)
-    oa, _ = operands(a, (plan, None), seeds, triton_ops=False)
-    _, ob = operands(b, (None, plan), seeds, triton_ops=False)
-    return gemm(oa, ob, (plan, plan), a.shape[0], b.shape[1], out_dtype, triton_ops=False)
+    if form in KERNEL_FORMS:  # never compiled (the optimizer's step): the kernels called directly, no custom ops
+        from ..kernels.operand import triton_operands
+
+        oa, ob = triton_operands(a, (plan, None), seeds)[0], triton_operands(b, (None, plan), seeds)[1]
+    else:
+        oa = operands(a, (plan, None), seeds, triton_ops=False)[0]
+        ob = operands(b, (None, plan), seeds, triton_ops=False)[1]
+    return gemm(oa, ob, (plan, plan), a.shape[0], b.shape[1], out_dtype, triton_ops=False, direct=True)
 
 
 # ----------------------------------------------------------------------------------------------
