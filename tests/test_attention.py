@@ -123,6 +123,10 @@ def test_the_flash_forward_kernel_is_the_spec_within_the_bf16_rounding_of_p(name
         ops = [tensor_core_operand(x, spec, 0) for x in (q, k, v)]
         for (values, decode), want_values in zip(ops, (qh, kh, vh)):
             assert values.dtype == torch.bfloat16 and torch.equal(values.float() * decode, want_values)
+        # the fused quantizer's operands (what backend="triton" feeds the kernels): the same, bit for bit
+        for x, (values, decode) in zip((q, k, v), ops):
+            fast_values, fast_decode = tensor_core_operand(x.to(dev), spec, 0, backend="triton")
+            assert torch.equal(fast_values.cpu(), values) and torch.equal(fast_decode.cpu(), decode)
         decodes = torch.stack([o[1] for o in ops]).to(dev)
         outs.append(flash_forward(*(o[0].to(dev) for o in ops), keep.to(dev), scale, decodes).cpu().double())
     s64 = (qh.double() @ kh.double().transpose(-1, -2) * scale).masked_fill(~keep, float("-inf"))
@@ -350,3 +354,20 @@ def test_compiled_blocks_run_fp4_attention_eagerly_and_auto_mode_avoids_cuda_gra
     compiled = model(ids, labels=ids).loss
     compiled.backward()
     assert torch.equal(compiled, eager)
+
+
+@pytest.mark.parametrize("name", ["nvfp4-sr", "nvfp4_2d", "mxfp4"])
+def test_the_fused_quantizers_attention_operands_are_the_references(name):
+    """tensor_core_operand(backend="triton") (the fused quantizer + byte-lookup decode the flash path uses) gives
+    the reference's BF16 values and tensor decode bit for bit: stochastic rounding from the same seed, 2D blocks
+    over a row count that needs padding."""
+    from hf_fp4.nn.attention import tensor_core_operand
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    spec = BWD_SPECS[name]
+    x = torch.randn(2, 3, 37, D, generator=torch.Generator().manual_seed(5)) * 4
+    values, decode = tensor_core_operand(x, spec, 9)
+    fast_values, fast_decode = tensor_core_operand(x.to(dev), spec, 9, backend="triton")
+    assert torch.equal(fast_values.cpu(), values) and torch.equal(fast_decode.cpu(), decode)
+    if spec.rounding.value == "stochastic":  # the seed is used: another one moves some values
+        assert not torch.equal(tensor_core_operand(x.to(dev), spec, 10, backend="triton")[0].cpu(), values)

@@ -26,12 +26,14 @@ quantized in registers exactly as quantize_rows would quantize the kernel's own 
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..numerics.quantize import fake_quantize, quantize
+from . import backends
 from ..numerics.scales import ScaleRule
 from ..numerics.spec import QuantSpec, as_spec
 
@@ -106,11 +108,12 @@ def quantize_rows(x: torch.Tensor, spec: QuantSpec | None, seed: int) -> torch.T
     return out.reshape(x.shape)[..., :rows, :]
 
 
-def tensor_core_operand(x: torch.Tensor, spec: QuantSpec | None, seed: int
+def tensor_core_operand(x: torch.Tensor, spec: QuantSpec | None, seed: int, backend: str = "reference"
                         ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(values in BF16, FP32 tensor decode scale) with values * decode == quantize_rows(x, spec, seed) bit for
     bit -- code x block scale has at most 8 significant bits -- or None where the values are not BF16-exact
-    (FP32 block scales; an unquantized x that is not BF16)."""
+    (FP32 block scales; an unquantized x that is not BF16).  backend "triton": the fused quantizer and the
+    byte-lookup decode (hf_fp4.nn.backends; both bit-exact with the reference), a few launches per tensor."""
     one = torch.ones((), dtype=torch.float32, device=x.device)
     if spec is None:
         return (x, one) if x.dtype == torch.bfloat16 else None
@@ -119,7 +122,12 @@ def tensor_core_operand(x: torch.Tensor, spec: QuantSpec | None, seed: int
     rows, pad = x.shape[-2], -x.shape[-2] % spec.block[0]
     y = torch.nn.functional.pad(x.float(), (0, 0, 0, pad)) if pad else x.float()
     seeded = {"seed": seed} if spec.rounding.value == "stochastic" else {}
-    values, decode = quantize(y.reshape(-1, y.shape[-1]), spec, **seeded).tensor_core_parts()
+    if backend == "triton":
+        q = backends.quantize(y.reshape(-1, y.shape[-1]), spec, backend="triton", **seeded)
+        values = backends.fast_dequantize(dataclasses.replace(q, tensor_scale=None)).to(torch.bfloat16)
+        decode = q.tensor_scale.reshape(()).float() if q.tensor_scale is not None else one
+    else:
+        values, decode = quantize(y.reshape(-1, y.shape[-1]), spec, **seeded).tensor_core_parts()
     return values.reshape(y.shape)[..., :rows, :], decode
 
 
@@ -149,7 +157,7 @@ class FP4AttentionFunction(torch.autograd.Function):
                 causal: bool = False):
         args = [(t, getattr(recipe, n), seed + i) for i, (t, n) in enumerate(((q, "q"), (k, "k"), (v, "v")))]
         # the flash kernels take exact BF16 values and tensor decodes; their product is the reference's values
-        ops = [tensor_core_operand(*a) for a in args] if backend == "triton" else [None] * 3
+        ops = [tensor_core_operand(*a, backend) for a in args] if backend == "triton" else [None] * 3
         qh, kh, vh = (o[0].float() * o[1] if o is not None else quantize_rows(*a) for o, a in zip(ops, args))
         decodes = None
         if backend == "triton":  # the flash kernel: P never materialised (hf_fp4.kernels.attention)
