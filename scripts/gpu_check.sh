@@ -11,6 +11,25 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$SITE" "$OUT"
 python3 -m pip install -q --no-index --no-deps --upgrade --target "$SITE" .whl/*.whl 2>&1 | grep -v WARNING || true
 export PYTHONPATH="$SITE"
+# Triton's compile cache travels between sessions (the suite's compiles cost most of its device time): carry
+# .carry/triton-cache.tar.xz (or its .part-* pieces) in; it comes back as $OUT/triton-cache.tar.xz[.part-*] --
+# put those under .carry/ for the next call (keyed by kernel source and options: a changed kernel recompiles).
+export TRITON_CACHE_DIR=/tmp/triton-cache
+mkdir -p "$TRITON_CACHE_DIR"
+cached=$(ls .carry/triton-cache.tar.xz.part-* 2>/dev/null || ls .carry/triton-cache.tar.xz 2>/dev/null || true)
+if [ -n "$cached" ]; then
+  cat $cached | tar xJf - -C /tmp && echo "triton cache: $(ls "$TRITON_CACHE_DIR" | wc -l) entries"
+fi
+save_cache() {
+  tar cJf /tmp/triton-cache.tar.xz -C /tmp triton-cache
+  if [ "$(stat -c %s /tmp/triton-cache.tar.xz)" -gt 15000000 ]; then  # the device returns files of 16 MiB at most
+    split -b 15000000 -d /tmp/triton-cache.tar.xz "$OUT/triton-cache.tar.xz.part-"
+  else
+    cp /tmp/triton-cache.tar.xz "$OUT/"
+  fi
+}
+trap save_cache EXIT
+trap 'exit 124' TERM INT  # a timeout still saves the cache
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/device.txt"
 if [ "$what" = tests ] || [ "$what" = all ]; then
   # -P: keep the repository root off sys.path, so the installed hf_fp4 (with hf_fp4.kernels) is used.
@@ -18,16 +37,17 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   files=${TESTS:-tests/test_kernels.py tests/test_linear.py tests/test_formats.py tests/test_quantize.py \
     tests/test_hadamard.py tests/test_sharq.py tests/test_attention.py tests/test_experts.py tests/test_optim.py \
     tests/test_scale_boundaries.py}
-  python3 -P -m pytest -q -p no:cacheprovider --collect-only $files 2>/dev/null | grep "::" > "$OUT/test_ids.txt"
+  logs=$(mktemp -d)  # the shards' files stay here: the device returns 8 files at most
+  python3 -P -m pytest -q -p no:cacheprovider --collect-only $files 2>/dev/null | grep "::" > "$logs/test_ids.txt"
   jobs=${JOBS:-8}
   for i in $(seq 0 $((jobs - 1))); do
-    awk -v n="$jobs" -v i="$i" 'NR % n == i' "$OUT/test_ids.txt" > "$OUT/shard_$i.txt"
-    (tr '\n' '\0' < "$OUT/shard_$i.txt" | xargs -0 python3 -P -m pytest -q -p no:cacheprovider -rf \
-      > "$OUT/gpu_tests_$i.log" 2>&1) &
+    awk -v n="$jobs" -v i="$i" 'NR % n == i' "$logs/test_ids.txt" > "$logs/shard_$i.txt"
+    (tr '\n' '\0' < "$logs/shard_$i.txt" | xargs -0 python3 -P -m pytest -q -p no:cacheprovider -rf \
+      > "$logs/gpu_tests_$i.log" 2>&1) &
   done
   wait
-  cat "$OUT"/gpu_tests_*.log > "$OUT/gpu_tests.log"
-  grep -h "^FAILED\|^ERROR" "$OUT/gpu_tests.log"; grep -h "passed\|failed" "$OUT"/gpu_tests_*.log
+  for i in $(seq 0 $((jobs - 1))); do echo "== shard $i"; cat "$logs/gpu_tests_$i.log"; done > "$OUT/gpu_tests.log"
+  grep -h "^FAILED\|^ERROR" "$OUT/gpu_tests.log"; grep -h "passed\|failed" "$logs"/gpu_tests_*.log
   ! grep -q "^FAILED\|^ERROR" "$OUT/gpu_tests.log" || status=1
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
