@@ -1,10 +1,12 @@
-"""How the kernels are launched: through `torch.library.wrap_triton` only while a compiler traces the call.
+"""How the kernels are launched: through `torch.library.wrap_triton` only while a compiler traces the launch.
 
 torch.compile needs `wrap_triton(kernel)[grid](...)` to see a user kernel inside a `triton_op` (it records the
 launch in its graph).  In eager mode the wrapper is pure cost on the torch the GPU image has (2.11): every launch
 goes through its higher-order op, a Python dispatch per launch (the H200 traces of 2026-12-02 show it under the
-eager FP4 attention and optimizer paths).  `launcher(kernel)` gives the wrapped kernel under tracing -- dynamo,
-or the fake / proxy / functional dispatch modes AOTAutograd and make_fx trace with -- and the plain one otherwise.
+eager FP4 attention and optimizer paths).  `launcher(kernel)[grid](*args)` wraps the launch while a compiler
+traces it -- dynamo, the fake / proxy / functional dispatch modes, or arguments that are fake or functional
+tensors (a traced triton_op's implementation runs on those, with the tracing mode itself popped) -- and
+launches the kernel itself otherwise.
 """
 from __future__ import annotations
 
@@ -15,13 +17,28 @@ _TRACING_MODES = tuple(getattr(torch._C._TorchDispatchModeKey, k) for k in ("FAK
                        if hasattr(torch._C._TorchDispatchModeKey, k))
 
 
-def tracing() -> bool:
+def tracing(*args) -> bool:
     """Whether a compiler is tracing the current call (so a launch must be recorded, not run)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
     if torch.compiler.is_compiling():
         return True
-    return any(torch._C._get_dispatch_mode(key) is not None for key in _TRACING_MODES)
+    if any(torch._C._get_dispatch_mode(key) is not None for key in _TRACING_MODES):
+        return True
+    return any(isinstance(a, FakeTensor) or (isinstance(a, torch.Tensor) and torch._is_functional_tensor(a))
+               for a in args)
 
 
-def launcher(kernel):
-    """`kernel` for `launcher(kernel)[grid](*args)`: wrapped for the compiler while one traces, else as it is."""
-    return wrap_triton(kernel) if tracing() else kernel
+class launcher:
+    """`launcher(kernel)[grid](*args, **meta)`: wrap_triton's launch while a compiler traces it, else the kernel's."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            if tracing(*args):
+                return wrap_triton(self.kernel)[grid](*args, **kwargs)
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch

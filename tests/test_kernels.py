@@ -478,9 +478,11 @@ def test_kernels_are_wrapped_for_the_compiler_only_while_one_traces():
 
     from hf_fp4.kernels.launch import tracing
 
-    assert not tracing()
-    with FakeTensorMode():
+    assert not tracing(torch.zeros(1))
+    with FakeTensorMode() as mode:
         assert tracing()
+        fake = torch.zeros(1)
+    assert tracing(fake) and tracing(mode.from_tensor(torch.zeros(1)))  # a traced op's fake arguments
     traced = make_fx(lambda x: x + tracing())(torch.zeros(2))  # the graph recorded True
     assert torch.equal(traced(torch.zeros(2)), torch.ones(2))
     torch._dynamo.reset()
