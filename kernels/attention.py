@@ -22,11 +22,12 @@ from .launch import launcher
 from .numerics import quantize_tile, round_to_bf16, tensor_encode_scale
 
 #: (query rows, keys, warps) of a program on the tensor cores' path, forward and backward (a tile argument
-#: overrides them), chosen from sm_90 compiles (ptxas -v, 2026-12-02): the forward at 128 x 64 runs on wgmma
-#: (32 x 32 compiled to mma.sync only) in 254 registers without spills; the backward's dK/dV kernel spills from
-#: 64 x 32 on, 32 x 64 does not.  Not yet timed on the GPU: `scripts/profile_fast_path.py --attention-tiles`.
-FORWARD_TILE = (128, 64, 8)
-BACKWARD_TILE = (32, 64, 4)
+#: overrides them), timed on the H200 (B1 H32 T4096 D128 causal, NVFP4 operands; `scripts/profile_fast_path.py
+#: --attention-tiles`, benchmarks/results-2026-12-02-session9.md): forward 64 x 32 x 4 0.60 ms (128 x 64 x 8:
+#: 0.69, 32 x 32 x 4: 1.10); backward 64 x 32 x 4 3.46 ms (32 x 64 x 4: 4.84, 64 x 64 x 8: 6.20) -- the
+#: backward's dK/dV kernel spills at 64 x 32 (ptxas -v) and is still the fastest.
+FORWARD_TILE = (64, 32, 4)
+BACKWARD_TILE = (64, 32, 4)
 IEEE_TILE = (32, 32, 4)  # FP32 operands (IEEE dots): twice the bytes and registers per element
 
 

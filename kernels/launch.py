@@ -11,6 +11,7 @@ launches the kernel itself otherwise.
 from __future__ import annotations
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.library import wrap_triton
 
 _TRACING_MODES = tuple(getattr(torch._C._TorchDispatchModeKey, k) for k in ("FAKE", "PROXY", "FUNCTIONAL")
@@ -19,8 +20,6 @@ _TRACING_MODES = tuple(getattr(torch._C._TorchDispatchModeKey, k) for k in ("FAK
 
 def tracing(*args) -> bool:
     """Whether a compiler is tracing the current call (so a launch must be recorded, not run)."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
     if torch.compiler.is_compiling():
         return True
     if any(torch._C._get_dispatch_mode(key) is not None for key in _TRACING_MODES):

@@ -276,6 +276,15 @@ def round_to_bf16(x):
     return bits.to(tl.float32, bitcast=True)
 
 
+@triton.jit
+def bf16_bits(x):
+    """The bits (int16) of FP32 x rounded to BF16, ties to even, NaN kept NaN: by hand, because Triton's
+    interpreter truncates in .to(tl.bfloat16) (and a carry out of an all-ones NaN payload would reach the sign)."""
+    bits = x.to(tl.int32, bitcast=True)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    return tl.where(x != x, 0x7FC0, rounded).to(tl.int16)
+
+
 def grid_constants(grid: Grid) -> dict:
     """The constexpr arguments of a grid: id, float-format parameters, max as (mantissa, exponent), emax."""
     import math

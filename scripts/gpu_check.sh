@@ -20,7 +20,15 @@ cached=$(ls .carry/triton-cache.tar.xz.part-* 2>/dev/null || ls .carry/triton-ca
 if [ -n "$cached" ]; then
   cat $cached | tar xJf - -C /tmp && echo "triton cache: $(ls "$TRITON_CACHE_DIR" | wc -l) entries"
 fi
+logs=""
+jobs=${JOBS:-8}
+collect_logs() {  # the shards' logs as one file, also when a timeout stops them (the EXIT trap)
+  [ -n "$logs" ] || return 0
+  for i in $(seq 0 $((jobs - 1))); do echo "== shard $i"; cat "$logs/gpu_tests_$i.log" 2>/dev/null; done \
+    > "$OUT/gpu_tests.log"
+}
 save_cache() {
+  collect_logs
   tar cJf /tmp/triton-cache.tar.xz -C /tmp triton-cache
   if [ "$(stat -c %s /tmp/triton-cache.tar.xz)" -gt 15000000 ]; then  # the device returns files of 16 MiB at most
     split -b 15000000 -d /tmp/triton-cache.tar.xz "$OUT/triton-cache.tar.xz.part-"
@@ -29,7 +37,8 @@ save_cache() {
   fi
 }
 trap save_cache EXIT
-trap 'exit 124' TERM INT  # a timeout still saves the cache
+# a timeout stops the shards and still saves the logs and the cache
+trap 'pkill -TERM -f "pytest -v -p no:cacheprovider" 2>/dev/null; exit 124' TERM INT
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/device.txt"
 if [ "$what" = tests ] || [ "$what" = all ]; then
   # -P: keep the repository root off sys.path, so the installed hf_fp4 (with hf_fp4.kernels) is used.
@@ -39,14 +48,13 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
     tests/test_scale_boundaries.py}
   logs=$(mktemp -d)  # the shards' files stay here: the device returns 8 files at most
   python3 -P -m pytest -q -p no:cacheprovider --collect-only $files 2>/dev/null | grep "::" > "$logs/test_ids.txt"
-  jobs=${JOBS:-8}
   for i in $(seq 0 $((jobs - 1))); do
     awk -v n="$jobs" -v i="$i" 'NR % n == i' "$logs/test_ids.txt" > "$logs/shard_$i.txt"
-    (tr '\n' '\0' < "$logs/shard_$i.txt" | xargs -0 python3 -P -m pytest -q -p no:cacheprovider -rf \
+    (tr '\n' '\0' < "$logs/shard_$i.txt" | xargs -0 python3 -P -m pytest -v -p no:cacheprovider --tb=short -rf \
       > "$logs/gpu_tests_$i.log" 2>&1) &
   done
   wait
-  for i in $(seq 0 $((jobs - 1))); do echo "== shard $i"; cat "$logs/gpu_tests_$i.log"; done > "$OUT/gpu_tests.log"
+  collect_logs
   grep -h "^FAILED\|^ERROR" "$OUT/gpu_tests.log"; grep -h "passed\|failed" "$logs"/gpu_tests_*.log
   ! grep -q "^FAILED\|^ERROR" "$OUT/gpu_tests.log" || status=1
 fi

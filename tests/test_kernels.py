@@ -489,3 +489,62 @@ def test_kernels_are_wrapped_for_the_compiler_only_while_one_traces():
     assert torch.equal(torch.compile(lambda x: x + tracing(), backend="eager", fullgraph=True)(torch.zeros(2)),
                        torch.ones(2))
     assert not tracing()
+
+
+def _specials(n, seed):
+    """FP32 values that stress a BF16 rounding: ties (odd and even), near-ties, NaN with any payload, Inf,
+    the largest finite values (which round up to Inf), subnormals, signed zeros, random values."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g) * torch.exp2(torch.randint(-30, 30, (n,), generator=g).float())
+    bits = torch.tensor([0x3F808000, 0x3F818000, 0x3F807FFF, 0x3F808001, 0x7FFFFFFF, 0x7F800001, 0xFFC00000,
+                         0x7F800000, 0xFF800000, 0x7F7FFFFF, 0xFF7FFFFF, 0x00000001, 0x80008000, 0x00000000,
+                         0x80000000], dtype=torch.int64).to(torch.int32)
+    x[:bits.numel()] = bits.view(torch.float32)
+    return x
+
+
+@pytest.mark.parametrize("n", [4096 * 2, 1000])  # EVEN, and a masked tail
+def test_scale_output_is_torchs_mul_and_cast_bit_for_bit(n):
+    """The BF16-form GEMM's fused epilogue (kernels/gemm.scale_output) rounds exactly as
+    (out * (sa * sb)).to(bf16) does: FP32 product of the scales, FP32 product, BF16 ties to even; NaN stays NaN."""
+    from hf_fp4.kernels import gemm as gemm_kernels
+
+    out = _specials(n, seed=n).reshape(-1, 8).to(DEV)
+    for sa, sb in ((0.37, 3.1e-5), (1.0, 1.0), (2.0**-7, 1.7)):
+        a_scale, b_scale = torch.tensor([sa], device=DEV), torch.tensor([sb], device=DEV)
+        got = gemm_kernels.scale_output(out, a_scale, b_scale, torch.bfloat16)
+        want = (out * (a_scale * b_scale)).to(torch.bfloat16)
+        assert got.dtype == torch.bfloat16 and got.shape == out.shape
+        assert torch.equal(torch.isnan(got), torch.isnan(want))
+        same = ~torch.isnan(want)
+        assert torch.equal(got[same].view(torch.int16), want[same].view(torch.int16)), (sa, sb)
+    # the kernel ran (not the torch fallback): a planted bug in the kernel's rounding would show
+    assert gemm_kernels._kernel_device(out)
+
+
+def test_bf16_bits_keeps_nan_whatever_its_payload():
+    """A NaN whose payload is all ones (CUDA's canonical 0x7FFFFFFF) must not carry into the sign bit and
+    become -0.0 when rounded by hand (the exact-correction GEMM tiles and the epilogue use this rounding)."""
+    from hf_fp4.kernels import gemm as gemm_kernels
+
+    nan = torch.tensor([0x7FFFFFFF, 0x7F800001, -1], dtype=torch.int32).view(torch.float32).repeat(8).to(DEV)
+    one = torch.ones(1, device=DEV)
+    assert torch.isnan(gemm_kernels.scale_output(nan.reshape(4, 6), one, one, torch.bfloat16)).all()
+
+
+@pytest.mark.parametrize("name,form,h", [("nvfp4", "bf16", 0), ("ufp4", "bf16", 16), ("mxfp4", "fp8", 0),
+                                         ("mxfp4", "fp8", 16), ("nvfp4_2d", "bf16", 0)])
+@pytest.mark.parametrize("rows", [256, 200])  # whole walks, and a last walk past the tensor's rows
+def test_stats_pass_walking_several_row_tiles_matches_reference(monkeypatch, name, form, h, rows):
+    """The stats pass's programs walk up to 8 row tiles each, keeping the tensor amax and the per-column amax
+    in registers (kernels/operand._stats_steps): forced here at a small size, the operands stay the reference's."""
+    from hf_fp4.kernels import operand as operand_kernels
+
+    monkeypatch.setattr(operand_kernels, "STATS_PROGRAMS", 1)
+    assert operand_kernels._stats_steps(rows, 96, 64, 128) > 1
+    t = wide(rows, 96, seed=rows + h)
+    t[rows // 2 + 3, 9] = 2e5  # the tensor amax sits in a later row tile of its program's walk
+    spec = QuantSpec.preset(name)
+    signs = (seeded_signs(h, 5), seeded_signs(h, 6)) if h else (None, None)
+    plans = (plan_for(spec, form, h, h > 0), plan_for(spec, form, h, h > 0))
+    assert_operands_exact(t, plans, torch.tensor([3, 4], device=DEV), signs)

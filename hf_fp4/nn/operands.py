@@ -201,12 +201,14 @@ def gemm(a: Operand, b: Operand, plans: tuple[OperandPlan, OperandPlan], m: int,
         op = _fp8_gemm_kernels if direct else op
         return op(*a, *b, m, n, out_dtype, pa.spec.block[1], fp8_shift(pa.spec.grid),
                             pb.spec.block[1], fp8_shift(pb.spec.grid))
-    # bf16: exact operands, FP32 accumulation, the two FP32 tensor scales on the output
+    # bf16: exact operands, FP32 accumulation, the two FP32 tensor scales on the output (one fused pass)
+    from ..kernels.gemm import scale_output
+
     if a.data.is_cuda:
         out = torch.mm(a.data[:m], b.data[:n].t(), out_dtype=torch.float32)
     else:
         out = a.data[:m].float() @ b.data[:n].float().t()
-    return (out * (a.scale * b.scale)).to(out_dtype)
+    return scale_output(out, a.scale, b.scale, out_dtype)
 
 
 def quantized_matmul(a: torch.Tensor, b: torch.Tensor, spec: QuantSpec, backend: str = "auto",
