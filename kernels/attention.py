@@ -26,6 +26,10 @@ from .numerics import quantize_tile, round_to_bf16, tensor_encode_scale
 #: --attention-tiles`, benchmarks/results-2026-12-02-session9.md): forward 64 x 32 x 4 0.60 ms (128 x 64 x 8:
 #: 0.69, 32 x 32 x 4: 1.10); backward 64 x 32 x 4 3.46 ms (32 x 64 x 4: 4.84, 64 x 64 x 8: 6.20) -- the
 #: backward's dK/dV kernel spills at 64 x 32 (ptxas -v) and is still the fastest.
+#: Every launch compiles with enable_fp_fusion=False: each product and sum is rounded on its own, as the
+#: reference (and the interpreter) round them.  With FMA contraction on, the code around the mask decides which
+#: multiply-adds fuse, so causal=True and the equivalent tril keep-mask gave outputs differing in low bits on the
+#: H200 (session 9's GPU suite; the sm_90 PTX of the two had 2 and 4 fma.rn.f32).
 FORWARD_TILE = (64, 32, 4)
 BACKWARD_TILE = (64, 32, 4)
 IEEE_TILE = (32, 32, 4)  # FP32 operands (IEEE dots): twice the bytes and registers per element
@@ -145,7 +149,7 @@ def flash_forward(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, keep: to
         qh, kh, vh, decodes.float(), keep, out, heads, tq, tk, float(scale), *qh.stride()[:3], *kh.stride()[:3],
         *vh.stride()[:3], *mask_strides, *out.stride()[:3], BM=bm, BN=bn, D=dim, HAS_KEEP=has_keep,
         CAUSAL=causal, TC=tc,
-        INTERPRETED=not qh.is_cuda, num_warps=warps)
+        INTERPRETED=not qh.is_cuda, num_warps=warps, enable_fp_fusion=False)
     return out
 
 
@@ -373,5 +377,5 @@ def flash_backward(qh, kh, vh, out, d_out, keep, scale: float, ds_spec, seed: in
     kernels = {0: _lse_kernel, 1: _dq_kernel, 2: _dq_kernel, 3: _dkdv_kernel}
     for phase in phases:
         grid = (triton.cdiv(tk, bn) if phase == 3 else triton.cdiv(tq, bm), bsz * heads)
-        launcher(kernels[phase])[grid](*args, PHASE=phase, num_warps=warps, **consts)
+        launcher(kernels[phase])[grid](*args, PHASE=phase, num_warps=warps, enable_fp_fusion=False, **consts)
     return (dq, dk, dv, dbg) if debug else (dq, dk, dv)

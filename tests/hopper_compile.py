@@ -13,10 +13,14 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from hf_fp4 import QuantSpec
-from hf_fp4.kernels import attention, operand, sharq
+from hf_fp4.kernels import attention, gemm, operand, sharq
 from hf_fp4.kernels.numerics import grid_constants
 from hf_fp4.kernels.quant import SCALE_CODES
 from hf_fp4.numerics.operand_plan import OperandPlan
+
+
+#: Kernels launched with enable_fp_fusion=False (kernels/attention.py: every product and sum rounded on its own).
+UNFUSED = (attention._flash_forward_kernel, attention._lse_kernel, attention._dq_kernel, attention._dkdv_kernel)
 
 
 def compile_for_hopper(kernel, types: dict, constexprs: dict, num_warps: int = 4, divisible=()):
@@ -27,7 +31,7 @@ def compile_for_hopper(kernel, types: dict, constexprs: dict, num_warps: int = 4
     values = {(params.index(p),): v for p, v in constexprs.items()}
     attrs = {(params.index(p),): [["tt.divisibility", 16]] for p in divisible}
     return triton.compile(ASTSource(kernel, signature, values, attrs), target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": num_warps})
+                          options={"num_warps": num_warps, "enable_fp_fusion": kernel not in UNFUSED})
 
 
 def operand_plan(name: str, form: str, hadamard: int = 0, signed: bool = False, sr: bool = False) -> OperandPlan:
@@ -90,10 +94,24 @@ def backward_cases():
                 yield f"bwd{phase}-{name}-tc{int(tc)}", kernel, types, {**consts, "PHASE": phase}, warps
 
 
+def stats_kernel_args(a: OperandPlan | None, b: OperandPlan | None, steps: int = 8):
+    """(types, constexprs, warps, divisible) of the stats pass for a contiguous, 16-aligned launch."""
+    _, (br, bc, warps), _, flags = operand._launch_config((a, b), None)
+    constexprs = dict(BR=br, BC=bc, STEPS=steps, HAS_MU=False, EVEN=True, s_c=1, **flags)
+    types = {"t_ptr": "*bf16", **{p: "*fp32" for p in ("mu_ptr", "a_stat", "a_signs", "b_stat", "b_signs")}}
+    params = inspect.signature(operand._stats_kernel.fn).parameters
+    divisible = [p for p in params if p not in constexprs and (types.get(p, "").startswith("*") or p in SIZES)]
+    return types, constexprs, warps, divisible
+
+
 def cases():
     for label, (a, b) in OPERAND_CASES.items():
         types, constexprs, warps, divisible = operand_kernel_args(a, b)
         yield f"operand-{label}", operand._operand_kernel, types, constexprs, warps, divisible
+        if any(p is not None and p.stat for p in (a, b)):
+            yield f"stats-{label}", operand._stats_kernel, *stats_kernel_args(a, b)
+    yield ("scale-output", gemm._scale_cast_kernel, {"src_ptr": "*fp32", "dst_ptr": "*bf16", "a_scale_ptr": "*fp32",
+           "b_scale_ptr": "*fp32"}, dict(BLOCK=gemm.SCALE_CAST_BLOCK, EVEN=True), 8)
     for tc, t in ((True, "*bf16"), (False, "*fp32")):
         types = {"q_ptr": t, "k_ptr": t, "v_ptr": t, "dec_ptr": "*fp32", "keep_ptr": "*i8", "o_ptr": "*fp32",
                  "scale": "fp32"}
@@ -119,6 +137,9 @@ def main() -> int:
         try:
             compiled = compile_for_hopper(kernel, types, constexprs, *launch)
             assert ".target sm_90" in compiled.asm["ptx"]
+            if kernel in UNFUSED and constexprs.get("TC"):  # no contracted multiply-add (the IEEE path's FP32
+                # dots are FMAs themselves): every product and sum rounded as the reference rounds it
+                assert "fma.rn.f32" not in compiled.asm["ptx"], "an FMA in a kernel compiled without FP fusion"
             print("ok", label, flush=True)
         except Exception as err:  # noqa: BLE001  (report every variant)
             failures += 1

@@ -356,6 +356,36 @@ def test_compiled_blocks_run_fp4_attention_eagerly_and_auto_mode_avoids_cuda_gra
     assert torch.equal(compiled, eager)
 
 
+def test_compiling_a_model_with_fp4_attention_after_a_linear_of_another_shape():
+    """compile_model compiles with static shapes: once FP4Linear.forward has been compiled for one input shape,
+    a block with FP4 attention (which graph-breaks around it) used to recompile it with symbolic sizes, and torch
+    2.11's dynamo failed on the autograd function (AssertionError in overwrite_tensor_vt_proxy; the GPU image
+    runs torch 2.11).  The loss still equals eager."""
+    import torch._dynamo
+    from torch import nn
+    from transformers import AutoModelForCausalLM
+
+    from hf_fp4.nn.linear import FP4Linear
+    from hf_fp4.nn.recipe import preset
+
+    torch._dynamo.reset()
+    layer = FP4Linear.from_linear(nn.Linear(64, 32), preset("ufp4").linear, name="l")
+    torch.compile(layer, fullgraph=True, backend="aot_eager")(torch.randn(8, 64, requires_grad=True)).sum().backward()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(), quantization_config=hf_fp4.FP4TrainConfig(
+        "nvfp4", attention="nvfp4"))
+    ids = torch.randint(0, 256, (2, 16))
+    eager = model(ids, labels=ids).loss
+    hf_fp4.compile_model(model, "auto", "aot_eager")
+    for t in (16, 24):  # a second shape compiles once more, statically
+        ids_t = torch.randint(0, 256, (2, t), generator=torch.Generator().manual_seed(t)) if t != 16 else ids
+        loss = model(ids_t, labels=ids_t).loss
+        loss.backward()
+        if t == 16:
+            assert torch.equal(loss, eager)
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("name", ["nvfp4-sr", "nvfp4_2d", "mxfp4"])
 def test_the_fused_quantizers_attention_operands_are_the_references(name):
     """tensor_core_operand(backend="triton") (the fused quantizer + byte-lookup decode the flash path uses) gives

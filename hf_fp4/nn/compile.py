@@ -10,8 +10,14 @@ launched depends on the mode:
 
 `compile_model` sets that per layer (FP4Linear.cuda_graphs); numerics are identical either way.  A model whose
 blocks break the graph (FP4 attention or FP4 experts run eagerly, `graph_safe`) keeps the opaque custom ops
-too: torch 2.11's dynamo fails to trace the triton_op path of the autograd function around such a break
-(AssertionError in overwrite_tensor_vt_proxy; the H200 GPU suite of 2026-12-02).
+too.
+
+Blocks compile with static shapes (``dynamic=False``): a training run has one input shape, and a new shape
+compiles once more.  Under torch 2.11's automatic dynamic shapes (a frame seen again with another shape),
+dynamo fails to trace FP4LinearFunction in a block that graph-breaks for FP4 attention (AssertionError in
+overwrite_tensor_vt_proxy: a symbolic size among the outputs of the autograd function's forward graph) -- the
+H200 GPU suite of 2026-12-02 (sessions 8, 9); reproduced on the CPU with torch 2.11 by compiling one FP4Linear,
+then a model with FP4 attention (tests/test_attention.py).
 """
 from __future__ import annotations
 
@@ -68,7 +74,7 @@ def compile_model(model: nn.Module, mode: str = "auto", backend: str = "inductor
     names = set(getattr(model, "_no_split_modules", None) or ())
     blocks = [m for m in model.modules() if type(m).__name__ in names]
     for m in blocks or [model]:
-        m.compile(backend=backend, **({"mode": mode} if backend == "inductor" else {}))
+        m.compile(backend=backend, dynamic=False, **({"mode": mode} if backend == "inductor" else {}))
     return model
 
 
