@@ -113,6 +113,27 @@ def test_bad_options_and_non_finite_gradients_are_refused():
     p.grad = torch.full_like(p, float("nan"))
     with pytest.raises(FloatingPointError, match="non-finite gradient"):
         opt.step()
+    assert not opt.state[p]  # refused before any state changed
+
+
+@pytest.mark.parametrize("magnitude,refused", [(2.0**64, True), (2.0**62, False)])
+def test_a_gradient_whose_square_overflows_is_refused_and_one_below_keeps_the_state_finite(magnitude, refused):
+    """The stores skip the quantizer's own non-finite check (a host read each), so step() bounds |g| first: at
+    2^64, g^2 overflows FP32 and v would be Inf (a NaN block once stored); at 2^62 every moment stays finite."""
+    p = params()
+    before = p.detach().clone()
+    opt = FP4AdamW([p], min_numel=1)
+    p.grad = torch.zeros_like(p)
+    p.grad.view(-1)[3] = -magnitude
+    if refused:
+        with pytest.raises(FloatingPointError, match="2\\^63"):
+            opt.step()
+        assert torch.equal(p.detach(), before) and not opt.state[p]
+        return
+    opt.step()
+    m, v = opt.moments(p)
+    assert torch.isfinite(m).all() and torch.isfinite(v).all() and torch.isfinite(p).all()
+    assert v.view(-1)[3] > 0 and m.view(-1)[3] < 0
 
 
 # ----------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ as uint8, the tensor scale in FP32), so save/load through torch.save or accelera
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
@@ -30,6 +31,8 @@ from ..numerics.spec import QuantSpec, as_spec
 from ._common import _run_closure, _with_grads
 
 V_TRANSFORMS = ("sqrt", "none")
+#: Gradients at or above this magnitude are refused: below it g^2 < 2^126, so v = b2 v + (1 - b2) g^2 stays finite.
+GRAD_LIMIT = 2.0**63
 _STORED = ("_codes", "_scales", "_tensor_scale")
 
 
@@ -49,6 +52,7 @@ class FP4AdamW(torch.optim.Optimizer):
         if spec.rounding.value != "nearest":
             raise ValueError("state_spec must round to nearest (the state is re-quantized every step)")
         self.spec, self.v_transform, self.min_numel = spec, v_transform, int(min_numel)
+        self._store_spec = dataclasses.replace(spec, nonfinite="propagate")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -67,8 +71,9 @@ class FP4AdamW(torch.optim.Optimizer):
         return p.numel() >= self.min_numel and p.dim() >= 1
 
     def _store(self, state: dict, name: str, x: torch.Tensor) -> None:
-        # on CUDA the fused kernel (bit-exact with the reference quantizer, one launch instead of dozens)
-        q = quantize(x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x, self.spec,
+        # on CUDA the fused kernel (bit-exact with the reference quantizer, one launch instead of dozens); the
+        # values are finite by step()'s gradient check, so the quantizer skips its own (a host read per store)
+        q = quantize(x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x, self._store_spec,
                      backend="triton" if x.is_cuda else "reference")
         state[f"{name}_codes"] = q.codes
         state[f"{name}_scales"] = q.scales.view(torch.uint8)  # not a float: load_state_dict would cast it
@@ -100,10 +105,14 @@ class FP4AdamW(torch.optim.Optimizer):
     def step(self, closure=None):
         loss = _run_closure(closure)
         walk = list(_with_grads(self))
-        # one host synchronisation per step, before any state changes (not one per parameter)
-        if walk and not bool(torch.stack([torch.isfinite(p.grad).all().to(walk[0][1].device) for _, p in walk]).all()):
-            raise FloatingPointError("FP4AdamW: non-finite gradient (the state would be lost on "
-                                     "re-quantization); skip the step instead")
+        # One host synchronisation per step, before any state changes: every gradient finite and below
+        # GRAD_LIMIT, so that every moment stays finite (|m| <= max|g| so far, v < 2^127) and the stores need no
+        # check of their own (the quantizer's non-finite check read a flag back per store: 2 syncs a parameter).
+        grads = [p.grad for _, p in walk if p.grad.numel()]
+        if grads and not bool((torch.stack([g.abs().amax().float().to(grads[0].device) for g in grads])
+                               < GRAD_LIMIT).all()):
+            raise FloatingPointError(f"FP4AdamW: non-finite gradient, or one of magnitude >= 2^63 (its square "
+                                     f"overflows FP32); the state would be lost on re-quantization: skip the step")
         for group, p in walk:
             b1, b2 = group["betas"]
             g = p.grad.float()
