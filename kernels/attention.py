@@ -107,7 +107,8 @@ def _flash_forward_kernel(q_ptr, k_ptr, v_ptr, dec_ptr, keep_ptr, o_ptr, H, TQ, 
         acc = acc * alpha[:, None] + _dot(p16, v, TC, INTERPRETED)
         m_i = m_new
     acc = acc * tl.load(dec_ptr + 2)
-    out = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
+    # a row that attends to no key is 0; a NaN sum (a NaN score or value) stays NaN -- never a silent 0
+    out = tl.where(l_i[:, None] == 0, 0.0, acc / tl.where(l_i == 0, 1.0, l_i)[:, None])
     tl.store(o_ptr + b * so_b + h * so_h + rows[:, None] * so_t + d[None, :], out, mask=rows[:, None] < TQ)
 
 
@@ -181,9 +182,10 @@ def _scores(q, k_ptr, kb, cols, d, sk_t, TK, keep_ptr, mb, rows, sm_q, sm_k, TQ,
 
 @triton.jit
 def _probs_and_ds(s, lse, do, v, delta, dec_v, TC: tl.constexpr, INTERPRETED: tl.constexpr):
-    """P = exp(S - lse) (0 where masked or the row sees nothing) and dS = P (dO V^T - D)."""
-    live = lse < float("inf")
-    p = tl.where((s > float("-inf")) & live[:, None], tl.exp(s - tl.where(live, lse, 0.0)[:, None]), 0.0)
+    """P = exp(S - lse) (0 where masked or the row sees nothing) and dS = P (dO V^T - D); a NaN score or
+    log-sum-exp stays NaN (compared with != : a NaN is neither masked nor dead)."""
+    live = lse != float("inf")
+    p = tl.where((s != float("-inf")) & live[:, None], tl.exp(s - tl.where(live, lse, 0.0)[:, None]), 0.0)
     dp = _dot(do, tl.trans(v), TC, INTERPRETED) * dec_v
     return p, p * (dp - delta[:, None])
 
@@ -224,9 +226,9 @@ def _lse_kernel(q_ptr, k_ptr, v_ptr, dec_ptr, do_ptr, delta_ptr, lse_ptr, stat_p
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         live = m_new > float("-inf")
         l_i = l_i * tl.where(live, tl.exp(m_i - tl.where(live, m_new, 0.0)), 1.0) + tl.sum(
-            tl.where(s > float("-inf"), tl.exp(s - tl.where(live, m_new, 0.0)[:, None]), 0.0), axis=1)
+            tl.where(s == float("-inf"), 0.0, tl.exp(s - tl.where(live, m_new, 0.0)[:, None])), axis=1)
         m_i = m_new
-    lse = tl.where(l_i > 0, m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)), float("inf"))
+    lse = tl.where(l_i == 0, float("inf"), m_i + tl.log(tl.where(l_i == 0, 1.0, l_i)))  # NaN stays NaN
     tl.store(lse_ptr + pid_bh * TQ + rows, lse, mask=rows < TQ)
 
 

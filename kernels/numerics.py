@@ -242,8 +242,10 @@ def quantize_tile(x, stat_ptr, seed, rows, col0, KP, BM: tl.constexpr, BK: tl.co
                   BC: tl.constexpr, GRID: tl.constexpr, QMAX: tl.constexpr, QM: tl.constexpr, QE: tl.constexpr,
                   EMAX: tl.constexpr, SCALE: tl.constexpr, SR: tl.constexpr):
     """fake_quantize_tile in two parts: (grid value x block scale -- at most 8 significant bits, exact in BF16
-    for the tensor cores --, the FP32 tensor decode scale or 1)."""
+    for the tensor cores --, the FP32 tensor decode scale or 1).  A block holding a NaN or Inf comes out NaN
+    (the operand kernels' rule; the reference raises on such input) -- never finite values that hide it."""
     x = flush_subnormals(x)
+    bad = block_any(((x != x) | (tl.abs(x) == float("inf"))).to(tl.int32), BM, BK, BR, BC) > 0
     amax = block_max(tl.abs(x), BM, BK, BR, BC)
     if SCALE == 2:
         s_enc = tensor_encode_scale(tl.load(stat_ptr), QMAX)
@@ -264,7 +266,7 @@ def quantize_tile(x, stat_ptr, seed, rows, col0, KP, BM: tl.constexpr, BK: tl.co
         u = m
     q = round_grid(m, u, GRID, SR)
     q = tl.where(scaled < 0, -q, q)
-    return q * expand_blocks(block, BM, BK, BR, BC), s_dec
+    return q * expand_blocks(tl.where(bad, float("nan"), block), BM, BK, BR, BC), s_dec
 
 
 @triton.jit

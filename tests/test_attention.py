@@ -388,7 +388,7 @@ def test_compiling_a_model_with_fp4_attention_after_a_linear_of_another_shape():
 
 @pytest.mark.parametrize("name", ["nvfp4-sr", "nvfp4_2d", "mxfp4"])
 def test_the_fused_quantizers_attention_operands_are_the_references(name):
-    """tensor_core_operand(backend="triton") (the fused quantizer + byte-lookup decode the flash path uses) gives
+    """tensor_core_operand(backend="triton") (the operand kernel's BF16 form, which the flash path uses) gives
     the reference's BF16 values and tensor decode bit for bit: stochastic rounding from the same seed, 2D blocks
     over a row count that needs padding."""
     from hf_fp4.nn.attention import tensor_core_operand
@@ -401,3 +401,20 @@ def test_the_fused_quantizers_attention_operands_are_the_references(name):
     assert torch.equal(fast_values.cpu(), values) and torch.equal(fast_decode.cpu(), decode)
     if spec.rounding.value == "stochastic":  # the seed is used: another one moves some values
         assert not torch.equal(tensor_core_operand(x.to(dev), spec, 10, backend="triton")[0].cpu(), values)
+
+
+def test_a_nan_query_makes_its_rows_output_nan_on_the_kernel_path():
+    """The flash path quantizes Q, K, V without a host check (the operand kernels): a NaN makes its block NaN,
+    so the rows it reaches come out NaN -- never a finite result that hides it -- and the others stay finite."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    q, k, v = (t.detach().to(dev) for t in qkv(7, torch.bfloat16))
+    q[0, 1, 3, 5] = float("nan")
+    out = fp4_attention(q, k, v, recipe="nvfp4", backend="triton", causal=True)
+    assert torch.isnan(out[0, 1, 3]).all()
+    others = torch.ones(out.shape[:3], dtype=torch.bool, device=dev)
+    others[0, 1, 3] = False
+    assert torch.isfinite(out[others]).all()
+    q.requires_grad_(), k.requires_grad_()
+    out = fp4_attention(q, k, v, recipe="nvfp4", backend="triton", causal=True)
+    dq, dk = torch.autograd.grad(out, (q, k), torch.ones_like(out))
+    assert torch.isnan(dq[0, 1, 3]).all() and torch.isnan(dk).any()  # the backward does not hide it either

@@ -26,14 +26,12 @@ quantized in registers exactly as quantize_rows would quantize the kernel's own 
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..numerics.quantize import fake_quantize, quantize
-from . import backends
 from ..numerics.scales import ScaleRule
 from ..numerics.spec import QuantSpec, as_spec
 
@@ -112,21 +110,29 @@ def tensor_core_operand(x: torch.Tensor, spec: QuantSpec | None, seed: int, back
                         ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(values in BF16, FP32 tensor decode scale) with values * decode == quantize_rows(x, spec, seed) bit for
     bit -- code x block scale has at most 8 significant bits -- or None where the values are not BF16-exact
-    (FP32 block scales; an unquantized x that is not BF16).  backend "triton": the fused quantizer and the
-    byte-lookup decode (hf_fp4.nn.backends; both bit-exact with the reference), a few launches per tensor."""
+    (FP32 block scales; an unquantized x that is not BF16).  backend "triton": the linear layers' operand
+    kernels (hf_fp4.kernels.operand, the BF16 form: bit-exact with the reference), which write the BF16 values
+    straight from x in two launches, without a host synchronisation (a NaN / Inf makes its block NaN, as in the
+    linear layers, instead of raising)."""
     one = torch.ones((), dtype=torch.float32, device=x.device)
     if spec is None:
         return (x, one) if x.dtype == torch.bfloat16 else None
     if spec.scale is ScaleRule.FP32:
         return None
     rows, pad = x.shape[-2], -x.shape[-2] % spec.block[0]
-    y = torch.nn.functional.pad(x.float(), (0, 0, 0, pad)) if pad else x.float()
-    seeded = {"seed": seed} if spec.rounding.value == "stochastic" else {}
-    if backend == "triton":
-        q = backends.quantize(y.reshape(-1, y.shape[-1]), spec, backend="triton", **seeded)
-        values = backends.fast_dequantize(dataclasses.replace(q, tensor_scale=None)).to(torch.bfloat16)
-        decode = q.tensor_scale.reshape(()).float() if q.tensor_scale is not None else one
+    if backend == "triton":  # x read in its own dtype (the reference's x.float() is exact)
+        from ..kernels.operand import triton_operands
+        from ..numerics.operand_plan import OperandPlan
+
+        y = torch.nn.functional.pad(x, (0, 0, 0, pad)) if pad else x
+        y2 = y.reshape(-1, y.shape[-1])
+        plan = OperandPlan(spec, 0, False, "bf16", max(16, spec.block[1]))
+        seeds = torch.tensor([seed, 0], dtype=torch.int64).to(x.device, non_blocking=True)
+        op = triton_operands(y2, (plan, None), seeds)[0]
+        values, decode = op.data[:y2.shape[0], :y2.shape[1]], op.scale.reshape(())
     else:
+        y = torch.nn.functional.pad(x.float(), (0, 0, 0, pad)) if pad else x.float()
+        seeded = {"seed": seed} if spec.rounding.value == "stochastic" else {}
         values, decode = quantize(y.reshape(-1, y.shape[-1]), spec, **seeded).tensor_core_parts()
     return values.reshape(y.shape)[..., :rows, :], decode
 
@@ -157,16 +163,18 @@ class FP4AttentionFunction(torch.autograd.Function):
                 causal: bool = False):
         args = [(t, getattr(recipe, n), seed + i) for i, (t, n) in enumerate(((q, "q"), (k, "k"), (v, "v")))]
         # the flash kernels take exact BF16 values and tensor decodes; their product is the reference's values
-        ops = [tensor_core_operand(*a, backend) for a in args] if backend == "triton" else [None] * 3
-        qh, kh, vh = (o[0].float() * o[1] if o is not None else quantize_rows(*a) for o, a in zip(ops, args))
         decodes = None
         if backend == "triton":  # the flash kernel: P never materialised (hf_fp4.kernels.attention)
             from ..kernels.attention import flash_forward
+            ops = [tensor_core_operand(*a, backend) for a in args]
             if all(o is not None for o in ops):  # exact BF16 values: the tensor cores (saved as such)
                 decodes = torch.stack([o[1] for o in ops])
                 qh, kh, vh = (o[0] for o in ops)
+            else:  # FP32 values: the IEEE path
+                qh, kh, vh = (o[0].float() * o[1] if o is not None else quantize_rows(*a) for o, a in zip(ops, args))
             out = flash_forward(qh, kh, vh, keep, scale, decodes, causal=causal).to(q.dtype)
         else:
+            qh, kh, vh = (quantize_rows(*a) for a in args)
             p = _probabilities(qh, kh, scale, _with_causal(keep, causal, q.shape[2], k.shape[2], q.device))
             out = (p.to(torch.bfloat16).float() @ vh).to(q.dtype)
         ctx.save_for_backward(qh, kh, vh, out, keep, decodes)
