@@ -2,7 +2,8 @@
 # GPU suite + benchmark on the device machine (no registry there): run from the repository root.
 # Before the call, here:  bash ../shared/tools/gpu-wheels.sh .whl  (once; datasets, lm-eval, torchao) and
 #                          .venv/bin/pip wheel -q --no-deps -w .whl .   (after every change)
-# then carry .whl. Usage: bash scripts/gpu_check.sh [tests|bench|all]   (BENCH_ARGS="--parts quant,linear ...")
+# then carry .whl. Usage: bash scripts/gpu_check.sh [tests|bench|all]   (BENCH_ARGS="--parts quant,linear ...";
+# the bench results come back as $OUT/bench.tgz; BENCH_TIMEOUT, SAVE_CACHE=0, JOBS, TESTS as below)
 set -uo pipefail
 what=${1:-all}
 status=0
@@ -61,6 +62,11 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   ! grep -q "^FAILED\|^ERROR" "$OUT/gpu_tests.log" || status=1
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
-  python3 -P scripts/bench.py --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | grep -v "^\[" | tail -80
+  # one results file per part and its table: kept in a folder that comes back as one archive (8 files at most);
+  # BENCH_TIMEOUT bounds the run so that the archive is written inside the call's limit
+  results=$(mktemp -d)
+  timeout "${BENCH_TIMEOUT:-400}" python3 -P scripts/bench.py --out "$results" ${BENCH_ARGS:-} > "$results/bench.log" 2>&1
+  tar czf "$OUT/bench.tgz" -C "$results" .
+  grep -v "^\[" "$results/bench.log" | tail -80
 fi
 exit $status
