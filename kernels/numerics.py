@@ -270,21 +270,19 @@ def quantize_tile(x, stat_ptr, seed, rows, col0, KP, BM: tl.constexpr, BK: tl.co
 
 
 @triton.jit
-def round_to_bf16(x):
-    """FP32 x rounded to the nearest BF16 value (ties to even), kept in FP32: by hand, because Triton's
-    interpreter truncates in .to(tl.bfloat16).  Finite inputs."""
-    bits = x.to(tl.int32, bitcast=True)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536  # -65536 = 0xFFFF0000
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def bf16_bits(x):
     """The bits (int16) of FP32 x rounded to BF16, ties to even, NaN kept NaN: by hand, because Triton's
     interpreter truncates in .to(tl.bfloat16) (and a carry out of an all-ones NaN payload would reach the sign)."""
     bits = x.to(tl.int32, bitcast=True)
     rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
     return tl.where(x != x, 0x7FC0, rounded).to(tl.int16)
+
+
+@triton.jit
+def round_to_bf16(x):
+    """FP32 x rounded to the nearest BF16 value (ties to even), kept in FP32: bf16_bits' rounding (NaN stays
+    NaN), by hand because Triton's interpreter truncates in .to(tl.bfloat16)."""
+    return (bf16_bits(x).to(tl.int32) << 16).to(tl.float32, bitcast=True)
 
 
 def grid_constants(grid: Grid) -> dict:

@@ -522,6 +522,25 @@ def test_scale_output_is_torchs_mul_and_cast_bit_for_bit(n):
     assert gemm_kernels._kernel_device(out)
 
 
+@triton.jit
+def _round_to_bf16_kernel(x_ptr, out_ptr, N: tl.constexpr):
+    from hf_fp4.kernels.numerics import round_to_bf16
+
+    offs = tl.arange(0, N)
+    tl.store(out_ptr + offs, round_to_bf16(tl.load(x_ptr + offs)))
+
+
+def test_round_to_bf16_is_torchs_cast_and_keeps_nan():
+    """round_to_bf16 (P before the P V and dV products of FP4 attention): torch's FP32 -> BF16 rounding on
+    finite values and Inf, and NaN for every NaN payload (CUDA's all-ones one once came out -0.0)."""
+    x = _specials(64, seed=3).to(DEV)
+    out = torch.empty_like(x)
+    _round_to_bf16_kernel[(1,)](x, out, N=64)
+    want = x.to(torch.bfloat16).float()
+    assert torch.equal(torch.isnan(out), torch.isnan(x))
+    assert torch.equal(out[~torch.isnan(x)], want[~torch.isnan(x)])
+
+
 def test_bf16_bits_keeps_nan_whatever_its_payload():
     """A NaN whose payload is all ones (CUDA's canonical 0x7FFFFFFF) must not carry into the sign bit and
     become -0.0 when rounded by hand (the exact-correction GEMM tiles and the epilogue use this rounding)."""
