@@ -63,26 +63,23 @@ def _stats_kernel(t_ptr, R, C, s_r, s_c, mu_ptr, a_stat, a_signs, b_stat, b_sign
     plain = tl.zeros([BR, BC], dtype=tl.float32)  # |t|, elementwise: A's tensor amax, B's amaxes (no Hadamard)
     a_rot = tl.zeros([BR], dtype=tl.float32)      # A's rotated rows (tensor amax): reduced per tile
     b_rot = tl.zeros([BC], dtype=tl.float32)      # B's rotated rows: reduced per tile
+    PLAIN: tl.constexpr = (A_STAT == 2 and A_H == 0) or (B_STAT > 0 and B_H == 0)
     for step in range(STEPS):
         rows = (tl.program_id(0) * STEPS + step) * BR + tl.arange(0, BR)
         x = load_tile(t_ptr, rows, cols, R, C, s_r, s_c, mu_ptr, HAS_MU, EVEN)
-        if A_STAT > 0:
-            if A_H > 0:
-                a = tl.max(_finite_abs(hadamard(x, a_signs, BR, BC, A_H, A_HSCALE, A_SIGNS)), axis=1)
-            elif A_STAT == 1:
-                a = tl.max(_finite_abs(x), axis=1)
+        if PLAIN:
+            plain = tl.maximum(plain, _finite_abs(x))
+        if A_STAT > 0 and A_H > 0:
+            a = tl.max(_finite_abs(hadamard(x, a_signs, BR, BC, A_H, A_HSCALE, A_SIGNS)), axis=1)
             if A_STAT == 1:
                 tl.atomic_max(a_stat + rows, a, mask=rows < R)
-            elif A_H > 0:
+            else:
                 a_rot = tl.maximum(a_rot, a)
-            else:
-                plain = tl.maximum(plain, _finite_abs(x))
-        if B_STAT > 0:
-            if B_H > 0:
-                b_rot = tl.maximum(b_rot, tl.max(_finite_abs(hadamard(tl.trans(x), b_signs, BC, BR, B_H, B_HSCALE,
-                                                                      B_SIGNS)), axis=1))
-            else:
-                plain = tl.maximum(plain, _finite_abs(x))
+        elif A_STAT == 1:
+            tl.atomic_max(a_stat + rows, tl.max(_finite_abs(x), axis=1), mask=rows < R)
+        if B_STAT > 0 and B_H > 0:
+            b_rot = tl.maximum(b_rot, tl.max(_finite_abs(hadamard(tl.trans(x), b_signs, BC, BR, B_H, B_HSCALE,
+                                                                  B_SIGNS)), axis=1))
     if A_STAT == 2:
         tl.atomic_max(a_stat, tl.max(a_rot, axis=0) if A_H > 0 else tl.max(tl.max(plain, axis=1), axis=0))
     if B_STAT > 0:
@@ -218,7 +215,7 @@ def _operand_kernel(t_ptr, R, C, s_r, s_c, mu_ptr,
 TILES = {"rows": (64, 128, 4), "cols": (32, 64, 2), "both": (32, 64, 2), "both_fp8": (32, 64, 2, True)}
 #: The statistics pass reduces without transposing (unless a Hadamard rotates B), so it takes wide tiles;
 #: a program walks up to 8 row tiles while at least STATS_PROGRAMS programs remain (_stats_steps).  8 warps:
-#: the running-max tile costs 64 registers a thread (NVFP4 both ways; 95 with 4 warps), MX 112, UFP4 with
+#: the running-max tile costs 64 registers a thread (NVFP4 both ways; 95 with 4 warps), MX 79, UFP4 with
 #: Hadamards both ways 128 (sm_90 cubins, tests/hopper_compile.py; not yet timed on the GPU).
 STATS_TILE = (64, 128, 8)
 STATS_PROGRAMS = 512
