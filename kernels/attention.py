@@ -28,8 +28,10 @@ from .numerics import quantize_tile, round_to_bf16, tensor_encode_scale
 #: backward's dK/dV kernel spills at 64 x 32 (ptxas -v) and is still the fastest.
 #: Every launch compiles with enable_fp_fusion=False: each product and sum is rounded on its own, as the
 #: reference (and the interpreter) round them.  With FMA contraction on, the code around the mask decides which
-#: multiply-adds fuse, so causal=True and the equivalent tril keep-mask gave outputs differing in low bits on the
-#: H200 (session 9's GPU suite; the sm_90 PTX of the two had 2 and 4 fma.rn.f32).
+#: multiply-adds fuse.  causal=True and the equivalent tril keep-mask still differ in low bits on the H200
+#: (session 10's GPU suite): a loaded mask gives P a second register layout, and Triton sums P's rows in that
+#: layout's order (sm_90 TTGIR: the row sum over #blocked with a mask, over #mma without).  Each is checked
+#: against the spec on its own (tests/test_attention.py, the causal cases).
 FORWARD_TILE = (64, 32, 4)
 BACKWARD_TILE = (64, 32, 4)
 IEEE_TILE = (32, 32, 4)  # FP32 operands (IEEE dots): twice the bytes and registers per element

@@ -99,11 +99,14 @@ def test_padding_masks_gqa_and_a_fully_masked_row():
     assert torch.equal(same[1], ref[1]) and not torch.equal(same[1, :, :, :], ref[0])
 
 
+@pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("name", ["nvfp4", "mxfp4", "none"])
-def test_the_flash_forward_kernel_is_the_spec_within_the_bf16_rounding_of_p(name):
+def test_the_flash_forward_kernel_is_the_spec_within_the_bf16_rounding_of_p(name, causal):
     """hf_fp4.kernels.attention.flash_forward on the quantized Q^, K^, V^: within the spec's and the kernel's
     BF16 roundings of each P element plus FP32 accumulation of the float64 spec (causal + padding + a query that sees nothing, GQA
-    expanded, ragged T over several key tiles); the unrounded P's product lies outside that bound."""
+    expanded, ragged T over several key tiles); the unrounded P's product lies outside that bound.  causal: the
+    kernel computes the causal part of the mask and skips the key tiles after each query block (16 x 32 tiles:
+    a skip bound one tile short would drop keys, outside the bound)."""
     from hf_fp4.nn.attention import quantize_rows, tensor_core_operand
     from hf_fp4.kernels.attention import flash_forward
 
@@ -118,7 +121,14 @@ def test_the_flash_forward_kernel_is_the_spec_within_the_bf16_rounding_of_p(name
     spec = None if name == "none" else QuantSpec.preset(name)
     qh, kh, vh = (quantize_rows(x, spec, 0) for x in (q, k, v))
     scale = D ** -0.5
-    outs = [flash_forward(qh.to(dev), kh.to(dev), vh.to(dev), keep.to(dev), scale).cpu().double()]
+    # causal: only the padding part travels as a mask
+    kernel_keep, tile = (keep | ~torch.ones(t, t, dtype=torch.bool).tril(), (16, 32)) if causal else (keep, None)
+
+    def kernel(q_, k_, v_, decodes=None):
+        return flash_forward(q_.to(dev), k_.to(dev), v_.to(dev), kernel_keep.to(dev), scale, decodes, tile,
+                             causal=causal).cpu().double()
+
+    outs = [kernel(qh, kh, vh)]
     if spec is not None:  # the tensor cores' operands: exact BF16 values and a tensor decode scale
         ops = [tensor_core_operand(x, spec, 0) for x in (q, k, v)]
         for (values, decode), want_values in zip(ops, (qh, kh, vh)):
@@ -128,7 +138,7 @@ def test_the_flash_forward_kernel_is_the_spec_within_the_bf16_rounding_of_p(name
             fast_values, fast_decode = tensor_core_operand(x.to(dev), spec, 0, backend="triton")
             assert torch.equal(fast_values.cpu(), values) and torch.equal(fast_decode.cpu(), decode)
         decodes = torch.stack([o[1] for o in ops]).to(dev)
-        outs.append(flash_forward(*(o[0].to(dev) for o in ops), keep.to(dev), scale, decodes).cpu().double())
+        outs.append(kernel(*(o[0] for o in ops), decodes))
     s64 = (qh.double() @ kh.double().transpose(-1, -2) * scale).masked_fill(~keep, float("-inf"))
     p = torch.nan_to_num(torch.softmax(s64, -1), nan=0.0)
     mag = p @ vh.double().abs()
@@ -150,9 +160,14 @@ BWD_SPECS = {"mxfp4": QuantSpec.preset("mxfp4"), "nvfp4": QuantSpec.preset("nvfp
              "nvfp4_2d": QuantSpec.preset("nvfp4_2d"), "none": None}
 
 
-@pytest.mark.parametrize("tensor_cores", [False, True])
-@pytest.mark.parametrize("name", sorted(BWD_SPECS))
-def test_the_flash_backward_quantizes_its_ds_as_the_spec_and_makes_the_spec_gradients(name, tensor_cores):
+#: (dS spec, tensor cores, causal flag): every spec both ways; the causal flag (32 x 16 tiles, the query tiles
+#: before each key block skipped) with a stochastically rounded dS and the 2D-tile dS
+BWD_CASES = [(name, tc, False) for name in sorted(BWD_SPECS) for tc in (False, True)] + [
+    ("nvfp4-sr", True, True), ("nvfp4_2d", True, True), ("nvfp4_2d", False, True)]
+
+
+@pytest.mark.parametrize("name,tensor_cores,causal", BWD_CASES)
+def test_the_flash_backward_quantizes_its_ds_as_the_spec_and_makes_the_spec_gradients(name, tensor_cores, causal):
     """hf_fp4.kernels.attention.flash_backward, against the spec in float64: its dS (dumped) is the reference's
     within FP32 arithmetic; dQ and dK equal the products of *that* dS quantized by the reference quantizer
     (along keys / along queries with seed + 1 / one 2D tile for both) and K^ / Q^ within FP32 accumulation --
@@ -184,8 +199,11 @@ def test_the_flash_backward_quantizes_its_ds_as_the_spec_and_makes_the_spec_grad
     inputs = [qh, kh, vh, out, do]
     if tensor_cores:
         inputs = [ops[0][0], ops[1][0], ops[2][0], out, do.to(torch.bfloat16)]
-    dq, dk, dv, dbg = (x.cpu().double() for x in flash_backward(*(x.to(dev) for x in inputs), keep.to(dev), scale,
-                                                                 spec, 7, decodes, debug=True))
+    # causal: only the padding part travels as a mask (a skip bound one tile short would drop queries or keys)
+    kernel_keep, tile = (keep | ~torch.ones(t, t, dtype=torch.bool).tril(), (32, 16)) if causal else (keep, None)
+    dq, dk, dv, dbg = (x.cpu().double() for x in flash_backward(*(x.to(dev) for x in inputs), kernel_keep.to(dev),
+                                                                 scale, spec, 7, decodes, tile, debug=True,
+                                                                 causal=causal))
     assert (dbg - ds).abs().max() <= 1e-5 * ds.abs().max()
     assert torch.all(dq[0, :, 2] == 0) and torch.all(dbg[0, :, 2] == 0)  # the query that sees nothing
     ds_keys, ds_queries = (x.double() for x in _ds_operands(dbg.float(), spec, 7))
@@ -200,36 +218,6 @@ def test_the_flash_backward_quantizes_its_ds_as_the_spec_and_makes_the_spec_grad
     assert within(dv, p.to(torch.bfloat16).double().transpose(-1, -2), do.double(), 2.0**-7 + 1e-5)
     if spec is not None:  # the check can fail: dQ from the unquantized dS is outside it
         assert not within(dq, dbg * scale, kh.double())
-
-
-@pytest.mark.parametrize("tile", [(16, 32), (32, 16)])
-@pytest.mark.parametrize("name", ["nvfp4-sr", "nvfp4_2d"])
-def test_the_kernels_causal_flag_is_the_tril_mask_bit_for_bit(name, tile):
-    """causal=True (the mask computed, the tiles above the diagonal skipped) gives exactly what keep=tril gives
-    -- forward and every gradient, with padding on top, a stochastically rounded dS, several tiles each way
-    and T not a multiple of them; a wrong skip bound (one tile too few) would drop keys or queries."""
-    from hf_fp4.kernels.attention import flash_backward, flash_forward
-    from hf_fp4.nn.attention import tensor_core_operand
-
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    g = torch.Generator().manual_seed(13)
-    t = 70
-    ops = [tensor_core_operand(torch.randn(1, 2, t, D, generator=g), QuantSpec.preset("nvfp4"), 0) for _ in range(3)]
-    (qh, kh, vh), decodes = (o[0].to(dev) for o in ops), torch.stack([o[1] for o in ops]).to(dev)
-    do = torch.randn(1, 2, t, D, generator=g).to(torch.bfloat16).to(dev)
-    pad = torch.ones(1, 1, t, t, dtype=torch.bool, device=dev)
-    pad[..., :5] = False
-    tril = torch.ones(t, t, dtype=torch.bool, device=dev).tril()
-    for keep in (None, pad):
-        masked = tril if keep is None else keep & tril
-        out = flash_forward(qh, kh, vh, masked, D ** -0.5, decodes, tile)
-        assert torch.equal(flash_forward(qh, kh, vh, keep, D ** -0.5, decodes, tile, causal=True), out)
-        grads = flash_backward(qh, kh, vh, out, do, masked, D ** -0.5, BWD_SPECS[name], 3, decodes, tile)
-        causal = flash_backward(qh, kh, vh, out, do, keep, D ** -0.5, BWD_SPECS[name], 3, decodes, tile, causal=True)
-        for got, want in zip(causal, grads):
-            assert torch.equal(got, want)
-    full = flash_forward(qh, kh, vh, None, D ** -0.5, decodes, tile)
-    assert not torch.equal(full, out)  # the causal mask matters for these inputs
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

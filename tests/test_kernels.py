@@ -429,7 +429,7 @@ def test_operand_kernel_breaks_exact_ties_to_the_even_code(grid, qmax, step_pts,
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from hf_fp4.kernels.numerics import fake_quantize_tile  # noqa: E402
+from hf_fp4.kernels.numerics import fake_quantize_tile, round_to_bf16  # noqa: E402
 
 
 @triton.jit
@@ -524,8 +524,6 @@ def test_scale_output_is_torchs_mul_and_cast_bit_for_bit(n):
 
 @triton.jit
 def _round_to_bf16_kernel(x_ptr, out_ptr, N: tl.constexpr):
-    from hf_fp4.kernels.numerics import round_to_bf16
-
     offs = tl.arange(0, N)
     tl.store(out_ptr + offs, round_to_bf16(tl.load(x_ptr + offs)))
 

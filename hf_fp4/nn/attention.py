@@ -218,7 +218,7 @@ def fp4_attention(q, k, v, keep=None, scale: float | None = None, recipe: "Atten
                   seed: int = 0, backend: str = "reference", causal: bool = False) -> torch.Tensor:
     """FP4 attention of q [B, H, Tq, D] and k, v [B, Hkv, Tk, D] (Hkv divides H); keep: a boolean mask
     (True: attend) broadcastable to [B, H, Tq, Tk], or None (no mask); causal: also key <= query (the flash
-    kernels compute it and skip the tiles above the diagonal; the same result as keep=tril).  backend
+    kernels compute it and skip the tiles above the diagonal; keep=tril within FP32 summation order).  backend
     "triton": the flash kernels (hf_fp4.kernels.attention; equal to the reference within the BF16 rounding of P
     and FP32 arithmetic); "auto": the kernels on CUDA, the reference elsewhere (a model's default)."""
     if backend not in ATTENTION_BACKENDS:
