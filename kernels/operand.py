@@ -218,6 +218,13 @@ TILES = {"rows": (64, 128, 4), "cols": (32, 64, 2), "both": (32, 64, 2), "both_f
 #: the running-max tile costs 64 registers a thread (NVFP4 both ways; 95 with 4 warps), MX 79, UFP4 with
 #: Hadamards both ways 128 (sm_90 cubins, tests/hopper_compile.py; not yet timed on the GPU).
 STATS_TILE = (64, 128, 8)
+#: Largest operand tile one program makes (elements): a pair whose Hadamards need more (256 both ways: a
+#: 256 x 256 tile) is made by two launches, one per orientation -- on the H200 one 256 x 256 program of 2
+#: warps had not finished compiling after 5 minutes (session 10's GPU suite), and neither had it here.
+MAX_TILE = 64 * 256
+#: Elements a thread holds at most: wider tiles get more warps (a 256 x 64 tile of the transposed
+#: orientation: 4 warps, not 2).
+MAX_PER_THREAD = 128
 STATS_PROGRAMS = 512
 
 
@@ -255,6 +262,7 @@ def _fit(tile, a: OperandPlan | None, b: OperandPlan | None) -> tuple:
         br, bc = max(br, a.spec.block[0]), max(bc, a.spec.block[1], a.hadamard)
     if b is not None:
         br, bc = max(br, b.spec.block[1], b.hadamard), max(bc, b.spec.block[0])
+    warps = max(warps, min(8, br * bc // (32 * MAX_PER_THREAD)))
     return (br, bc, warps, *tile[3:])
 
 
@@ -300,6 +308,9 @@ def triton_operands(t: torch.Tensor, plans: tuple[OperandPlan | None, OperandPla
     s_r, s_c = t.stride(-2), t.stride(-1)
     dev = t.device
     (br, bc, warps, *reload), (sbr, sbc, swarps), consts, stat_flags = _launch_config(tuple(plans), tile)
+    if None not in plans and br * bc > MAX_TILE:  # one orientation per launch (t read twice)
+        return [triton_operands(t, (plans[0], None), seeds, (signs[0], None), mu, tile)[0],
+                triton_operands(t, (None, plans[1]), seeds, (None, signs[1]), mu, tile)[1]]
     dims = ((R, C), (C, R))
     ops = [empty_operand(p, *d, dev) if p is not None else None for p, d in zip(plans, dims)]
     # Pointers a launch does not use get a 1-element tensor, never t: under torch.compile a tensor passed in
