@@ -213,11 +213,6 @@ def _operand_kernel(t_ptr, R, C, s_r, s_c, mu_ptr,
 #: A 4th entry True (RELOAD): the transposed orientation comes from a second, swapped-stride load of the tile
 #: instead of a register transpose -- 14% faster for FP8 operand pairs (0.295 vs 0.343 ms), 4% slower for BF16.
 TILES = {"rows": (64, 128, 4), "cols": (32, 64, 2), "both": (32, 64, 2), "both_fp8": (32, 64, 2, True)}
-#: The statistics pass reduces without transposing (unless a Hadamard rotates B), so it takes wide tiles;
-#: a program walks up to 8 row tiles while at least STATS_PROGRAMS programs remain (_stats_steps).  8 warps:
-#: the running-max tile costs 64 registers a thread (NVFP4 both ways; 95 with 4 warps), MX 79, UFP4 with
-#: Hadamards both ways 128 (sm_90 cubins, tests/hopper_compile.py; not yet timed on the GPU).
-STATS_TILE = (64, 128, 8)
 #: Largest operand tile one program makes (elements): a pair whose Hadamards need more (256 both ways: a
 #: 256 x 256 tile) is made by two launches, one per orientation -- on the H200 one 256 x 256 program of 2
 #: warps had not finished compiling after 5 minutes (session 10's GPU suite), and neither had it here.
@@ -225,6 +220,11 @@ MAX_TILE = 64 * 256
 #: Elements a thread holds at most: wider tiles get more warps (a 256 x 64 tile of the transposed
 #: orientation: 4 warps, not 2).
 MAX_PER_THREAD = 128
+#: The statistics pass reduces without transposing (unless a Hadamard rotates B), so it takes wide tiles;
+#: a program walks up to 8 row tiles while at least STATS_PROGRAMS programs remain (_stats_steps).  8 warps:
+#: the running-max tile costs 64 registers a thread (NVFP4 both ways; 95 with 4 warps), MX 79, UFP4 with
+#: Hadamards both ways 128 (sm_90 cubins, tests/hopper_compile.py; not yet timed on the GPU).
+STATS_TILE = (64, 128, 8)
 STATS_PROGRAMS = 512
 
 

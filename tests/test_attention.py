@@ -99,6 +99,13 @@ def test_padding_masks_gqa_and_a_fully_masked_row():
     assert torch.equal(same[1], ref[1]) and not torch.equal(same[1, :, :, :], ref[0])
 
 
+def padding_part(keep):
+    """keep [..., T, T] (a causal mask with padding) with the causal part lifted: what a kernel given
+    causal=True must be handed to mask the same entries."""
+    t = keep.shape[-1]
+    return keep | ~torch.ones(t, t, dtype=torch.bool).tril()
+
+
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("name", ["nvfp4", "mxfp4", "none"])
 def test_the_flash_forward_kernel_is_the_spec_within_the_bf16_rounding_of_p(name, causal):
@@ -122,7 +129,7 @@ def test_the_flash_forward_kernel_is_the_spec_within_the_bf16_rounding_of_p(name
     qh, kh, vh = (quantize_rows(x, spec, 0) for x in (q, k, v))
     scale = D ** -0.5
     # causal: only the padding part travels as a mask
-    kernel_keep, tile = (keep | ~torch.ones(t, t, dtype=torch.bool).tril(), (16, 32)) if causal else (keep, None)
+    kernel_keep, tile = (padding_part(keep), (16, 32)) if causal else (keep, None)
 
     def kernel(q_, k_, v_, decodes=None):
         return flash_forward(q_.to(dev), k_.to(dev), v_.to(dev), kernel_keep.to(dev), scale, decodes, tile,
@@ -200,7 +207,7 @@ def test_the_flash_backward_quantizes_its_ds_as_the_spec_and_makes_the_spec_grad
     if tensor_cores:
         inputs = [ops[0][0], ops[1][0], ops[2][0], out, do.to(torch.bfloat16)]
     # causal: only the padding part travels as a mask (a skip bound one tile short would drop queries or keys)
-    kernel_keep, tile = (keep | ~torch.ones(t, t, dtype=torch.bool).tril(), (32, 16)) if causal else (keep, None)
+    kernel_keep, tile = (padding_part(keep), (32, 16)) if causal else (keep, None)
     dq, dk, dv, dbg = (x.cpu().double() for x in flash_backward(*(x.to(dev) for x in inputs), kernel_keep.to(dev),
                                                                  scale, spec, 7, decodes, tile, debug=True,
                                                                  causal=causal))
