@@ -189,6 +189,22 @@ def sr_uniforms(seed, rows, col0, KP, BM: tl.constexpr, BK: tl.constexpr):
 
 
 @triton.jit
+def sr_uniforms_each(seed, rows, col0, KP, BM: tl.constexpr, BK: tl.constexpr):
+    """sr_uniforms' numbers without its join / reshape: every element draws its own Philox call (the one at
+    counter (r * KP + c) // 4) and keeps word c % 4 -- four times the Philox work.  For tiles the kernels
+    hold in an MMA register layout (the attention kernels' dS): on the H200 the flash dQ kernel's stochastically
+    rounded dS at 32 x 16 tiles came out unlike the spec with sr_uniforms (its dQ outside the FP32 bound; round
+    to nearest, the dK kernel and a loaded tile of the same shape were exact: session 11,
+    benchmarks/results-2026-12-03-session11.md), the join + reshape into the MMA layout being the one
+    layout-dependent step."""
+    c = col0 + tl.arange(0, BK)
+    counters = rows[:, None].to(tl.int64) * (KP // 4) + (c // 4)[None, :]
+    u0, u1, u2, u3 = tl.rand4x(seed, counters)
+    word = (c % 4)[None, :]
+    return tl.where(word == 0, u0, tl.where(word == 1, u1, tl.where(word == 2, u2, u3)))
+
+
+@triton.jit
 def _max_nan(a, b):
     return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
@@ -260,8 +276,8 @@ def quantize_tile(x, stat_ptr, seed, rows, col0, KP, BM: tl.constexpr, BK: tl.co
         s_dec = 1.0
     scaled = x * expand_blocks(encode, BM, BK, BR, BC)
     m = tl.abs(scaled)
-    if SR:
-        u = sr_uniforms(seed, rows, col0, KP, BM, BK)
+    if SR:  # the attention kernels quantize dS in the MMA layout: sr_uniforms_each
+        u = sr_uniforms_each(seed, rows, col0, KP, BM, BK)
     else:
         u = m
     q = round_grid(m, u, GRID, SR)

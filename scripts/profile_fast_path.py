@@ -89,7 +89,7 @@ def main():
     p.add_argument("--linear", default="mxfp4,nvfp4")
     p.add_argument("--sweep", action="store_true", help="graph-replay times of the operand kernel per tile")
     p.add_argument("--cases", default="mxfp4,nvfp4,mxfp4-T,nvfp4-T,mxfp4-dual,nvfp4-dual,ufp4-h16,nvfp4-sr,"
-                   "ufp4-dualH", help="operand cases of --sweep")
+                   "ufp4-dualH", help="operand cases of the operand table and --sweep")
     p.add_argument("--cprofile", action="store_true", help="host-side profile of one operands() call")
     p.add_argument("--e2e", default=None, help="comma list of bench.py impl names or presets")
     p.add_argument("--copies", default=None,
@@ -164,12 +164,13 @@ def main():
     copy = event_ms(lambda: x.clone())
     print(f"copy {copy:.4f} ms")
     print("| operand | eager ms | graph ms | graph % of copy bytes/s |")
-    for name, plans in CASES.items():
+    for name in args.cases.split(","):  # --cases: the rows of the table
+        plans = CASES[name]
         e, g = event_ms(call(plans)), graph_ms(call(plans))
         out = sum({"fp8": 1, "bf16": 2}[p.form] for p in plans if p is not None)
         print(f"| {name} | {e:.4f} | {g:.4f} | {(2 + out) / 4 * copy / g:.0%} |")
     tokens = 8192
-    for recipe in args.linear.split(","):
+    for recipe in filter(None, args.linear.split(",")):  # --linear "": the operand table only
         layer = FP4Linear.from_linear(nn.Linear(4096, 4096, bias=False, device=dev, dtype=torch.bfloat16),
                                       preset(recipe).linear, name="p")
         xs = torch.randn(tokens, 4096, device=dev, dtype=torch.bfloat16, requires_grad=True)

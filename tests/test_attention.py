@@ -168,9 +168,10 @@ BWD_SPECS = {"mxfp4": QuantSpec.preset("mxfp4"), "nvfp4": QuantSpec.preset("nvfp
 
 
 #: (dS spec, tensor cores, causal flag): every spec both ways; the causal flag (32 x 16 tiles, the query tiles
-#: before each key block skipped) with a stochastically rounded dS and the 2D-tile dS
+#: before each key block skipped: 1D dS blocks one tile wide) with a nearest and a stochastically rounded dS
+#: and the 2D-tile dS
 BWD_CASES = [(name, tc, False) for name in sorted(BWD_SPECS) for tc in (False, True)] + [
-    ("nvfp4-sr", True, True), ("nvfp4_2d", True, True), ("nvfp4_2d", False, True)]
+    ("nvfp4-sr", True, True), ("nvfp4", True, True), ("nvfp4_2d", True, True), ("nvfp4_2d", False, True)]
 
 
 @pytest.mark.parametrize("name,tensor_cores,causal", BWD_CASES)

@@ -446,19 +446,26 @@ def _tile_fake_quantize_kernel(x_ptr, out_ptr, stat_ptr, seed, M, K, KP, BM: tl.
     tl.store(out_ptr + rows[:, None] * K + cols[None, :], y, mask=inside)
 
 
+#: tiles of the in-register quantizer: the SharQ kernel's, and the attention kernels' (dQ: BM x BN; dK: BN x BM)
+#: at their default and their causal-test sizes
+TILE_SHAPES = [(32, 64), (32, 16), (16, 32), (64, 32), (32, 32)]
+
+
+@pytest.mark.parametrize("tile", TILE_SHAPES, ids=lambda t: f"{t[0]}x{t[1]}")
 @pytest.mark.parametrize("spec", [s for s in operand_specs() if s.scale.value != "fp32"
                                   and s.grid.value != "e4m3"], ids=str)
-def test_the_tile_fake_quantizer_is_the_reference(spec):
+def test_the_tile_fake_quantizer_is_the_reference(spec, tile):
     """kernels.numerics.fake_quantize_tile (the in-register quantizer of the SharQ and attention kernels) equals
     hf_fp4.quantize(...).dequantize() bit for bit: 1D and 2D blocks, E8M0 and two-level scales, nearest and
-    stochastic rounding (Philox at the element's place in the padded matrix), ragged edges."""
+    stochastic rounding (Philox at the element's place in the padded matrix), ragged edges, every tile shape
+    the kernels quantize in."""
     from hf_fp4.numerics.formats import flush_subnormals
     from hf_fp4.kernels.numerics import grid_constants
     from hf_fp4.kernels.quant import SCALE_CODES
 
     x = wide(45, 70, seed=9)
     br, bc = spec.block
-    bm, bk = max(32, br), max(64, bc)
+    bm, bk = max(tile[0], br), max(tile[1], bc)
     kp = x.shape[1] + (-x.shape[1] % bc)
     stat = flush_subnormals(x.float()).abs().max().reshape(1)
     out = torch.empty_like(x)
