@@ -46,6 +46,16 @@ def _dot(a, b, TC: tl.constexpr, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
+def _bf16_values(p, TC: tl.constexpr, INTERPRETED: tl.constexpr):
+    """P rounded to BF16 for the P V / P^T dO products: on the tensor cores, _dot's own conversion (the GPU's
+    cvt.rn.bf16: to nearest even, NaN kept); otherwise round_to_bf16 by hand, in FP32 (Triton's interpreter
+    truncates in .to(tl.bfloat16))."""
+    if TC and not INTERPRETED:
+        return p
+    return round_to_bf16(p)
+
+
+@triton.jit
 def _valid(rows, cols, TQ, TK, CAUSAL: tl.constexpr):
     """In range, and (causal) a key at or before the query (aligned at the start, as Transformers' SDPA)."""
     valid = (rows[:, None] < TQ) & (cols[None, :] < TK)
@@ -73,11 +83,13 @@ def _query_start(pid_n, BM: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr
 
 
 @triton.jit
-def _flash_forward_kernel(q_ptr, k_ptr, v_ptr, dec_ptr, keep_ptr, o_ptr, H, TQ, TK, scale,
+def _flash_forward_kernel(q_ptr, k_ptr, v_ptr, dec_ptr, keep_ptr, o_ptr, lse_ptr, H, TQ, TK, scale,
                           sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
                           sm_b, sm_h, sm_q, sm_k, so_b, so_h, so_t,
                           BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, HAS_KEEP: tl.constexpr,
-                          CAUSAL: tl.constexpr, TC: tl.constexpr, INTERPRETED: tl.constexpr):
+                          CAUSAL: tl.constexpr, TC: tl.constexpr, LSE: tl.constexpr, INTERPRETED: tl.constexpr):
+    """O for a block of query rows; LSE: also each row's log-sum-exp (+inf for a row that sees nothing), the
+    backward's phase 0 (_lse_kernel) from the same online sums."""
     pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
     b, h = pid_bh // H, pid_bh % H
     rows = pid_m * BM + tl.arange(0, BM)
@@ -105,9 +117,11 @@ def _flash_forward_kernel(q_ptr, k_ptr, v_ptr, dec_ptr, keep_ptr, o_ptr, H, TQ, 
         alpha = tl.where(live, tl.exp(m_i - tl.where(live, m_new, 0.0)), 1.0)
         p = tl.where(valid, tl.exp(s - tl.where(live, m_new, 0.0)[:, None]), 0.0)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        p16 = round_to_bf16(p)  # P rounded to BF16 (V^ stays exact)
-        acc = acc * alpha[:, None] + _dot(p16, v, TC, INTERPRETED)
+        acc = acc * alpha[:, None] + _dot(_bf16_values(p, TC, INTERPRETED), v, TC, INTERPRETED)  # P in BF16
         m_i = m_new
+    if LSE:
+        lse = tl.where(l_i == 0, float("inf"), m_i + tl.log(tl.where(l_i == 0, 1.0, l_i)))  # NaN stays NaN
+        tl.store(lse_ptr + pid_bh * TQ + rows, lse, mask=rows < TQ)
     acc = acc * tl.load(dec_ptr + 2)
     # a row that attends to no key is 0; a NaN sum (a NaN score or value) stays NaN -- never a silent 0
     out = tl.where(l_i[:, None] == 0, 0.0, acc / tl.where(l_i == 0, 1.0, l_i)[:, None])
@@ -123,12 +137,13 @@ def _tile(tile: tuple[int, ...] | None, default: tuple[int, int, int]) -> tuple[
 
 def flash_forward(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, keep: torch.Tensor | None, scale: float,
                   decodes: torch.Tensor | None = None, tile: tuple[int, ...] | None = None,
-                  causal: bool = False) -> torch.Tensor:
+                  causal: bool = False, return_lse: bool = False):
     """O [B, H, TQ, D] in FP32 from Q^ [B, H, TQ, D], K^ and V^ [B, H, TK, D] and a boolean keep mask
     broadcastable to [B, H, TQ, TK] (or None); causal: also key <= query (computed, no mask read; the key
     tiles after a query block are skipped).  FP32 operands are the values themselves (IEEE dots); BF16
     operands are exact values whose tensor decode scales are `decodes` [3] (Q^ = q decodes[0], ...): the
-    tensor cores' path."""
+    tensor cores' path.  return_lse: (O, the log-sum-exp [B, H, TQ] of each query row's scores, FP32), which
+    flash_backward takes instead of recomputing it."""
     bsz, heads, tq, dim = qh.shape
     tk = kh.shape[2]
     if dim & (dim - 1) or dim < 16:
@@ -140,6 +155,7 @@ def flash_forward(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, keep: to
     if decodes is None:
         decodes = torch.ones(3, dtype=torch.float32, device=qh.device)
     out = torch.empty(qh.shape, dtype=torch.float32, device=qh.device)
+    lse = torch.empty((bsz, heads, tq) if return_lse else (1,), dtype=torch.float32, device=qh.device)
     has_keep = keep is not None
     if has_keep:
         keep = keep.to(torch.int8).expand(bsz, heads, tq, tk)  # broadcast dims keep stride 0: no copy
@@ -149,18 +165,18 @@ def flash_forward(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, keep: to
     bm, bn, warps = _tile(tile, FORWARD_TILE if tc else IEEE_TILE)
     grid = (triton.cdiv(tq, bm), bsz * heads)
     launcher(_flash_forward_kernel)[grid](
-        qh, kh, vh, decodes.float(), keep, out, heads, tq, tk, float(scale), *qh.stride()[:3], *kh.stride()[:3],
-        *vh.stride()[:3], *mask_strides, *out.stride()[:3], BM=bm, BN=bn, D=dim, HAS_KEEP=has_keep,
-        CAUSAL=causal, TC=tc,
-        INTERPRETED=not qh.is_cuda, num_warps=warps, enable_fp_fusion=False)
-    return out
+        qh, kh, vh, decodes.float(), keep, out, lse, heads, tq, tk, float(scale), *qh.stride()[:3],
+        *kh.stride()[:3], *vh.stride()[:3], *mask_strides, *out.stride()[:3], BM=bm, BN=bn, D=dim,
+        HAS_KEEP=has_keep, CAUSAL=causal, TC=tc, LSE=return_lse, INTERPRETED=not qh.is_cuda, num_warps=warps,
+        enable_fp_fusion=False)
+    return (out, lse) if return_lse else out
 
 
 # ----------------------------------------------------------------------------------------------
 # Backward: the reference's dV = bf16(P)^T dO, dP = dO V^T, dS = P (dP - D), dQ = Q_keys(dS) K^ scale,
 # dK = Q_queries(dS)^T Q^ scale, tile by tile without materialising S, P or dS.  Four phases over the same
 # tiles (each recomputes S and P from the saved Q^, K^ and the row's log-sum-exp):
-#   0  the log-sum-exp of every query row             (grid: query blocks)
+#   0  the log-sum-exp of every query row             (grid: query blocks; skipped when the forward's is given)
 #   1  the tensor amax of dS (two-level dS specs only) (grid: query blocks)
 #   2  dQ                                             (grid: query blocks; loops over key blocks)
 #   3  dK and dV                                      (grid: key blocks; loops over query blocks)
@@ -308,7 +324,7 @@ def _dkdv_kernel(q_ptr, k_ptr, v_ptr, dec_ptr, do_ptr, delta_ptr, lse_ptr, stat_
         s, k = _scores(q, k_ptr, kb, cols, d, D, TK, keep_ptr, mb, rows, sm_q, sm_k, TQ, s_scale, HAS_KEEP,
                        CAUSAL, TC, INTERPRETED)
         p, ds = _probs_and_ds(s, lse, do, v, delta, dec_v, TC, INTERPRETED)
-        dv += _dot(tl.trans(round_to_bf16(p)), do, TC, INTERPRETED)
+        dv += _dot(tl.trans(_bf16_values(p, TC, INTERPRETED)), do, TC, INTERPRETED)
         if QUANT:
             if SQUARE:  # one 2D-tile quantization serves both GEMMs
                 vals, vals_dec = quantize_tile(ds, stat_ptr, seed, pid_bh * TQ_ROWS + rows, pid * BN, KP_Q, BM, BN,
@@ -325,12 +341,14 @@ def _dkdv_kernel(q_ptr, k_ptr, v_ptr, dec_ptr, do_ptr, delta_ptr, lse_ptr, stat_
 
 
 def flash_backward(qh, kh, vh, out, d_out, keep, scale: float, ds_spec, seed: int, decodes: torch.Tensor | None = None,
-                   tile: tuple[int, ...] | None = None, debug: bool = False, causal: bool = False):
+                   tile: tuple[int, ...] | None = None, debug: bool = False, causal: bool = False,
+                   lse: torch.Tensor | None = None):
     """dQ, dK, dV in FP32 ([B, H, T, D], GQA expanded) of hf_fp4.nn.attention's backward, from the saved Q^, K^, V^
     (FP32 values, or exact BF16 values with their tensor `decodes` [3] as flash_forward takes them), the forward
     output and dO; ds_spec: dS's QuantSpec (None: high precision).  The tensor cores run every GEMM when the
     operands are BF16 and so is dO (products exact, FP32 sums; tensor scales applied after); otherwise IEEE FP32
-    dots.  causal: as flash_forward's.  debug: also the unquantized dS [B, H, TQ, TK] the kernels computed (tests)."""
+    dots.  causal: as flash_forward's.  debug: also the unquantized dS [B, H, TQ, TK] the kernels computed (tests).
+    lse: the forward's log-sum-exp (flash_forward(..., return_lse=True)); None: recomputed (phase 0)."""
     from hf_fp4.numerics.formats import Grid
     from hf_fp4.numerics.scales import ScaleRule
     from hf_fp4.numerics.spec import Rounding
@@ -351,7 +369,13 @@ def flash_backward(qh, kh, vh, out, d_out, keep, scale: float, ds_spec, seed: in
         qh, kh, vh, d_out = (t.float() for t in (qh, kh, vh, d_out))
     qh, kh, vh, do = (t.contiguous() for t in (qh, kh, vh, d_out))
     delta = (d_out.float() * out.float()).sum(-1).contiguous()  # D = rowsum(dO * O), as the reference
-    lse = torch.empty(bsz, heads, tq, dtype=torch.float32, device=dev)
+    phases = [2, 3]
+    if lse is None:
+        lse, phases = torch.empty(bsz, heads, tq, dtype=torch.float32, device=dev), [0, 2, 3]
+    elif lse.shape != (bsz, heads, tq) or lse.dtype != torch.float32:
+        raise ValueError(f"flash_backward: lse must be FP32 of shape {(bsz, heads, tq)}, got {lse.dtype} "
+                         f"{tuple(lse.shape)}")
+    lse = lse.contiguous()
     stat = torch.zeros(1, dtype=torch.float32, device=dev)
     dq, dk, dv = (torch.empty(t.shape, dtype=torch.float32, device=dev) for t in (qh, kh, vh))
     dbg = torch.zeros(bsz, heads, tq, tk, dtype=torch.float32, device=dev) if debug else stat
@@ -377,7 +401,8 @@ def flash_backward(qh, kh, vh, out, d_out, keep, scale: float, ds_spec, seed: in
             float(scale), *mask_strides)
     consts = dict(BM=bm, BN=bn, D=dim, HAS_KEEP=keep is not None, CAUSAL=causal, DEBUG=debug, TC=tc, INTERPRETED=not qh.is_cuda,
                   **quant)
-    phases = [0, 1, 2, 3] if quant["QUANT"] and quant["SCALE"] == 2 else [0, 2, 3]
+    if quant["QUANT"] and quant["SCALE"] == 2:  # dS's tensor amax first
+        phases.insert(phases.index(2), 1)
     kernels = {0: _lse_kernel, 1: _dq_kernel, 2: _dq_kernel, 3: _dkdv_kernel}
     for phase in phases:
         grid = (triton.cdiv(tk, bn) if phase == 3 else triton.cdiv(tq, bm), bsz * heads)

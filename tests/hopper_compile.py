@@ -114,11 +114,11 @@ def cases():
            "b_scale_ptr": "*fp32"}, dict(BLOCK=gemm.SCALE_CAST_BLOCK, EVEN=True), 8)
     for tc, t in ((True, "*bf16"), (False, "*fp32")):
         types = {"q_ptr": t, "k_ptr": t, "v_ptr": t, "dec_ptr": "*fp32", "keep_ptr": "*i8", "o_ptr": "*fp32",
-                 "scale": "fp32"}
+                 "lse_ptr": "*fp32", "scale": "fp32"}
         bm, bn, warps = attention.FORWARD_TILE if tc else attention.IEEE_TILE
         for causal in (False, True):
             yield f"fwd-tc{int(tc)}-causal{int(causal)}", attention._flash_forward_kernel, types, dict(
-                BM=bm, BN=bn, D=128, HAS_KEEP=not causal, CAUSAL=causal, TC=tc, INTERPRETED=False), warps
+                BM=bm, BN=bn, D=128, HAS_KEEP=not causal, CAUSAL=causal, TC=tc, LSE=True, INTERPRETED=False), warps
     yield from backward_cases()
     for name in ("nvfp4", "mxfp4"):
         spec = QuantSpec.preset(name)

@@ -181,9 +181,10 @@ def test_the_flash_backward_quantizes_its_ds_as_the_spec_and_makes_the_spec_grad
     (along keys / along queries with seed + 1 / one 2D tile for both) and K^ / Q^ within FP32 accumulation --
     so every quantized dS element in registers is the spec's, bit for bit -- and dV = bf16(P)^T dO within the
     BF16 rounding of P.  Causal + padding + a query that sees nothing, ragged T over several tiles.  tensor_cores:
-    Q^, K^, V^ as exact BF16 values with NVFP4 tensor decodes and a BF16 dO, the kernels' tensor-core path."""
+    Q^, K^, V^ as exact BF16 values with NVFP4 tensor decodes and a BF16 dO, the kernels' tensor-core path, with
+    the log-sum-exp the forward kernel returns (as FP4AttentionFunction runs it; otherwise phase 0's)."""
     from hf_fp4.nn.attention import _ds_operands, tensor_core_operand
-    from hf_fp4.kernels.attention import flash_backward
+    from hf_fp4.kernels.attention import flash_backward, flash_forward
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     spec = BWD_SPECS[name]
@@ -209,9 +210,17 @@ def test_the_flash_backward_quantizes_its_ds_as_the_spec_and_makes_the_spec_grad
         inputs = [ops[0][0], ops[1][0], ops[2][0], out, do.to(torch.bfloat16)]
     # causal: only the padding part travels as a mask (a skip bound one tile short would drop queries or keys)
     kernel_keep, tile = (padding_part(keep), (32, 16)) if causal else (keep, None)
+    lse = None
+    if tensor_cores:
+        lse = flash_forward(*(x.to(dev) for x in inputs[:3]), kernel_keep.to(dev), scale, decodes, tile, causal,
+                            return_lse=True)[1]
+        lse64 = torch.logsumexp(s64, -1)  # -inf for the query that sees nothing; the kernel's +inf marks it
+        assert torch.isinf(lse[0, :, 2]).all()
+        live = torch.isfinite(lse64)
+        assert (lse.cpu().double()[live] - lse64[live]).abs().max() <= 1e-5
     dq, dk, dv, dbg = (x.cpu().double() for x in flash_backward(*(x.to(dev) for x in inputs), kernel_keep.to(dev),
                                                                  scale, spec, 7, decodes, tile, debug=True,
-                                                                 causal=causal))
+                                                                 causal=causal, lse=lse))
     assert (dbg - ds).abs().max() <= 1e-5 * ds.abs().max()
     assert torch.all(dq[0, :, 2] == 0) and torch.all(dbg[0, :, 2] == 0)  # the query that sees nothing
     ds_keys, ds_queries = (x.double() for x in _ds_operands(dbg.float(), spec, 7))

@@ -172,24 +172,25 @@ class FP4AttentionFunction(torch.autograd.Function):
                 qh, kh, vh = (o[0] for o in ops)
             else:  # FP32 values: the IEEE path
                 qh, kh, vh = (o[0].float() * o[1] if o is not None else quantize_rows(*a) for o, a in zip(ops, args))
-            out = flash_forward(qh, kh, vh, keep, scale, decodes, causal=causal).to(q.dtype)
+            out, lse = flash_forward(qh, kh, vh, keep, scale, decodes, causal=causal, return_lse=True)
+            out = out.to(q.dtype)
         else:
             qh, kh, vh = (quantize_rows(*a) for a in args)
             p = _probabilities(qh, kh, scale, _with_causal(keep, causal, q.shape[2], k.shape[2], q.device))
-            out = (p.to(torch.bfloat16).float() @ vh).to(q.dtype)
-        ctx.save_for_backward(qh, kh, vh, out, keep, decodes)
+            out, lse = (p.to(torch.bfloat16).float() @ vh).to(q.dtype), None
+        ctx.save_for_backward(qh, kh, vh, out, keep, decodes, lse)
         ctx.scale, ctx.recipe, ctx.seed, ctx.dtypes = scale, recipe, seed, (q.dtype, k.dtype, v.dtype)
         ctx.backend, ctx.causal = backend, causal
         return out
 
     @staticmethod
     def backward(ctx, d_out):
-        qh, kh, vh, out, keep, decodes = ctx.saved_tensors
+        qh, kh, vh, out, keep, decodes, lse = ctx.saved_tensors
         q_dtype, k_dtype, v_dtype = ctx.dtypes
         if ctx.backend == "triton":  # the flash backward: dS quantized in registers (hf_fp4.kernels.attention)
             from ..kernels.attention import flash_backward
             dq, dk, dv = flash_backward(qh, kh, vh, out, d_out, keep, ctx.scale, ctx.recipe.ds, ctx.seed + 3,
-                                        decodes, causal=ctx.causal)
+                                        decodes, causal=ctx.causal, lse=lse)  # the forward's log-sum-exp
             return dq.to(q_dtype), dk.to(k_dtype), dv.to(v_dtype), None, None, None, None, None, None
         # recomputed from the saved quantized Q^, K^
         p = _probabilities(qh, kh, ctx.scale, _with_causal(keep, ctx.causal, qh.shape[2], kh.shape[2], qh.device))
