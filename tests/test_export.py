@@ -76,6 +76,41 @@ def test_fp4_export_reloads_with_identical_logits_and_fewer_bytes(trained, tmp_p
     assert (low - logits(model)).norm() / logits(model).norm() < 0.1
 
 
+@pytest.mark.parametrize("recipe", ["ufp4", "nvfp4"])
+def test_a_reloaded_fp4_export_infers_on_the_tensor_core_path(trained, tmp_path, monkeypatch, recipe):
+    """The fast backend ("triton": CUDA's default, Triton's interpreter here) runs a frozen layer's fprop with
+    x in the BF16 form against the stored operand's BF16 parts (not FP4LinearFunction's reference quantizer and
+    FP32 GEMM): per layer, the float64 product of the reference operands -- Q(x R) by the reference quantizer,
+    the stored weight -- within FP32 accumulation error (ufp4: a random Hadamard on fprop); the logits close to
+    the reference backend's."""
+    from exactness import assert_within_accumulation_error
+    from hf_fp4.nn import autograd
+    from hf_fp4.nn.operands import reference_operand
+
+    export_model(str(trained[recipe]), "fp4", str(tmp_path / "fp4"))
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "fp4")
+    layers = hf_fp4.fp4_modules(model)
+    want = logits(model)  # the reference backend (CPU's auto)
+    for m in layers.values():
+        m.backend = "triton"
+
+    def refuse(*args):
+        raise AssertionError("the frozen fprop went through FP4LinearFunction")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(autograd.FP4LinearFunction, "apply", refuse)
+        got = logits(model)
+        layer = model.model.layers[0].mlp.up_proj
+        x = torch.randn(2, 5, layer.in_features, generator=torch.Generator().manual_seed(1)) * 3
+        with torch.no_grad():
+            y = layer(x)
+    assert (got - want).norm() / want.norm() < 1e-2
+    xq = reference_operand(x.reshape(-1, x.shape[-1]), layer._plans["reference"].x[0], 0,
+                           layer._fixed_signs["fprop"]).data
+    assert_within_accumulation_error(y.reshape(-1, y.shape[-1]), xq, layer.weight[:, :xq.shape[1]], recipe)
+    assert layer.recipe.fprop.hadamard.enabled == (recipe == "ufp4")
+
+
 def plain_logits(model_dir, tmp_path) -> dict:
     """Logits of model_dir loaded by plain transformers in a fresh process without hf_fp4, with the default
     call and with dtype=float32 / bfloat16 (as a user downstream would)."""

@@ -146,6 +146,8 @@ class FP4Linear(nn.Linear):
     def _build_plans(self) -> None:
         self._plans = plans_by_backend(self._recipe, self._frozen_weight, self._fp8_gemms)
         self._plans["graphs"] = dataclasses.replace(self._plans["triton"], triton_ops=False)
+        if self._frozen_weight:  # inference on the stored operand (_frozen_product): x in the BF16 form
+            self._plans["frozen"] = plans_by_backend(self._recipe, False, False)["triton"]
 
     # ------------------------------------------------------------------------------------------
     # LoRA-SVD residual compensation (Full-Stack FP4; hf_fp4.nn.lora_svd)
@@ -255,6 +257,8 @@ class FP4Linear(nn.Linear):
     def _fp4_product(self, x: torch.Tensor) -> torch.Tensor:
         """x Q(W)^T + bias through FP4LinearFunction (the three GEMMs of the recipe)."""
         backend = self.resolved_backend(x)
+        if backend == "triton" and self._frozen_fast(x):
+            return self._frozen_product(x)
         plan = self._plans["graphs" if backend == "triton" and self.cuda_graphs else backend]
         if self._step.device != x.device:  # moved without Module.to() (e.g. by a sharding wrapper)
             self._place_rng(self._step.to(x.device) if not self._step.is_meta else
@@ -272,6 +276,43 @@ class FP4Linear(nn.Linear):
         # TransformerEngine's) do: x is quantized from BF16, and read in half the bytes.
         x_in = x.to(out_dtype) if out_dtype != x.dtype and torch.is_autocast_enabled(x.device.type) else x
         return FP4LinearFunction.apply(x_in, self.weight, self.bias, seeds, signs, plan, need, out_dtype, observer)
+
+    def _frozen_fast(self, x: torch.Tensor) -> bool:
+        """Whether fprop on a frozen (packed) weight can run on the tensor cores: inference (no gradient
+        through the layer), the weight's parts kept at load (hf_fp4.nn.packing.unpack_weight), x quantized by
+        a spec with a BF16 form, no mean-bias term, no operand observer, not under torch.compile."""
+        plan = self._plans.get("frozen")
+        return (plan is not None and hasattr(self, "frozen_w_values") and plan.forms[0] == "bf16"
+                and not plan.mean_bias and not _OBSERVERS and not torch.compiler.is_compiling()
+                and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)))
+
+    def _frozen_product(self, x: torch.Tensor) -> torch.Tensor:
+        """Inference on a frozen weight: Q(x) by the operand kernels in the BF16 form (exact values, FP32 tensor
+        decode) against the stored operand's BF16 parts, FP32 accumulation, both decodes on the output -- the
+        fprop of the fast path, where FP4LinearFunction's frozen plan runs the reference quantizer and an FP32
+        GEMM (the stored operand as FP32 values)."""
+        from .operands import Operand, gemm, operands
+
+        plan = self._plans["frozen"]
+        if self._step.device != x.device:
+            self._place_rng(self._step.to(x.device))
+        seeds = self._seed_bases + self._step * STEP_MIX
+        fixed = self._fixed_signs
+        sign = fixed["fprop"] if "fprop" in fixed else self.hadamard_signs("fprop", self._step)
+        out_dtype = output_dtype(x)
+        x_in = x.to(out_dtype) if out_dtype != x.dtype and torch.is_autocast_enabled(x.device.type) else x
+        x_seeds = seeds[0:2] if plan.seeded("x") else torch.zeros(2, dtype=seeds.dtype, device=seeds.device)
+        ox = operands(x_in, (plan.x[0], None), x_seeds, (sign, None))[0]
+        values = self.frozen_w_values
+        if values.shape[1] != ox.data.shape[1]:  # the two paddings of K (blocks, Hadamard, alignment) differ
+            values = nn.functional.pad(values[:, :ox.data.shape[1]], (0, max(0, ox.data.shape[1] - values.shape[1])))
+        empty = values.new_empty(0)
+        ow = Operand(values, self.frozen_w_decode.reshape(1).float(), empty, empty, empty)
+        k = x.shape[-1]
+        y = gemm(ox, ow, (plan.x[0], plan.x[0]), x_in.numel() // k, self.out_features, out_dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features)
 
     def _sharq_product(self, x: torch.Tensor) -> torch.Tensor:
         """SharQ inference (hf_fp4.nn.sharq, reference): Q(x_sp) Q(W)^T + Q(x - Q(x_sp)) Q(W)^T + bias."""

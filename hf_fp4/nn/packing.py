@@ -58,8 +58,9 @@ def unpack_weight(module) -> None:
     k = module.weight_packed.shape[1] * (2 if ELEMENT_BITS[spec.grid] == 4 else 1)
     q = QuantizedTensor(module.weight_packed, scales, tensor_scale, torch.Size((n, k)), spec)
     weight = q.dequantize()
-    parts = q.tensor_core_parts() if module.recipe.activation_scheme == "sharq" else None
-    if parts is not None:  # SharQ's tensor-core GEMM takes the weight in parts (buffers: they follow .to())
+    parts = q.tensor_core_parts()
+    if parts is not None:  # the tensor-core GEMMs of inference (FP4Linear._frozen_product, SharQ's) take the
+        # weight in parts: BF16 values and the FP32 tensor decode (buffers: they follow .to())
         module.register_buffer("frozen_w_values", parts[0], persistent=False)
         module.register_buffer("frozen_w_decode", parts[1], persistent=False)
     for key in PACKED_KEYS:
