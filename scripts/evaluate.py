@@ -32,7 +32,7 @@ def main(argv=None):
     try:
         model, tok = load_model(args.model, args.gguf)
         if args.quantize:
-            post_training_quantize(model, args.quantize, args.hadamard)
+            post_training_quantize(model, args.quantize, args.hadamard, freeze=True)  # inference: W quantized once
         if torch.cuda.is_available():
             model.cuda()
         bs = int(args.batch_size) if args.batch_size.isdigit() else args.batch_size

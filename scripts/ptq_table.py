@@ -105,7 +105,7 @@ def main():
         t0 = time.time()
         model = copy.deepcopy(base)
         if preset:
-            post_training_quantize(model, preset, hadamard, size, **options)
+            post_training_quantize(model, preset, hadamard, size, freeze=True, **options)  # W quantized once
         result = run_lm_eval(model, tok, tasks, limit, int(args.batch_size)) if tasks else {}
         for task, metrics in result.items():
             items[task] = metrics.pop("items", items.get(task))

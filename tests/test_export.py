@@ -111,6 +111,25 @@ def test_a_reloaded_fp4_export_infers_on_the_tensor_core_path(trained, tmp_path,
     assert layer.recipe.fprop.hadamard.enabled == (recipe == "ufp4")
 
 
+@pytest.mark.parametrize("preset,hadamard,options", [("nvfp4", "none", {}), ("ufp4", "random_fixed", {}),
+                                                    ("mxfp4", "deterministic", {}),
+                                                    ("nvfp4", "none", {"weights_only": True})])
+def test_post_training_quantize_with_frozen_weights_gives_the_same_logits(preset, hadamard, options):
+    """freeze=True stores each weight's fprop operand once (as a packed export reloads it) instead of
+    re-quantizing W on every forward: the same logits bit for bit (the reference path), the weights frozen."""
+    from tiny import tiny_config
+
+    torch.manual_seed(0)
+    plain = AutoModelForCausalLM.from_config(tiny_config())
+    models = [copy.deepcopy(plain), copy.deepcopy(plain)]
+    for model, freeze in zip(models, (False, True)):
+        hf_fp4.release.evaluation.post_training_quantize(model, preset, hadamard, freeze=freeze, **options)
+    frozen = hf_fp4.fp4_modules(models[1]).values()
+    assert all(m.frozen_weight and not m.weight.requires_grad for m in frozen)
+    assert not any(m.frozen_weight for m in hf_fp4.fp4_modules(models[0]).values())
+    assert torch.equal(logits(models[0]), logits(models[1]))
+
+
 def plain_logits(model_dir, tmp_path) -> dict:
     """Logits of model_dir loaded by plain transformers in a fresh process without hf_fp4, with the default
     call and with dtype=float32 / bfloat16 (as a user downstream would)."""

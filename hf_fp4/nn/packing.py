@@ -57,13 +57,27 @@ def unpack_weight(module) -> None:
     n = module.out_features
     k = module.weight_packed.shape[1] * (2 if ELEMENT_BITS[spec.grid] == 4 else 1)
     q = QuantizedTensor(module.weight_packed, scales, tensor_scale, torch.Size((n, k)), spec)
-    weight = q.dequantize()
+    for key in PACKED_KEYS:
+        module._buffers.pop(key, None)
+    _freeze(module, q)
+
+
+def freeze_weight(module) -> None:
+    """In memory, what a packed export's reload gives: `weight` becomes the fprop operand Q(W R) (stored once,
+    not re-quantized by every forward), frozen, for inference.  A layer whose fprop weight is unquantized is
+    left as it is."""
+    if module.frozen_weight:
+        return
+    q = module.quantized_fprop_weight()
+    if q is not None:
+        _freeze(module, q)
+
+
+def _freeze(module, q: QuantizedTensor) -> None:
     parts = q.tensor_core_parts()
     if parts is not None:  # the tensor-core GEMMs of inference (FP4Linear._frozen_product, SharQ's) take the
         # weight in parts: BF16 values and the FP32 tensor decode (buffers: they follow .to())
         module.register_buffer("frozen_w_values", parts[0], persistent=False)
         module.register_buffer("frozen_w_decode", parts[1], persistent=False)
-    for key in PACKED_KEYS:
-        module._buffers.pop(key, None)
-    module.weight = nn.Parameter(weight, requires_grad=False)
+    module.weight = nn.Parameter(q.dequantize(), requires_grad=False)
     module.frozen_weight = True

@@ -75,10 +75,13 @@ def check_gguf_architecture(gguf_path: Path) -> None:
 
 
 def post_training_quantize(model, preset: str, hadamard: str = "none", hadamard_size: int = 16,
-                           sharq: bool = False, weights_only: bool = False, weight_blocks: str | None = None):
+                           sharq: bool = False, weights_only: bool = False, weight_blocks: str | None = None,
+                           freeze: bool = False):
     """FP4 inference emulation in memory: every decoder linear quantizes x and W (RTN) in fprop (W4A4);
     weights_only: W alone (W4A16); sharq: the activations as SharQ's backbone + residual (hf_fp4.nn.sharq);
-    weight_blocks "1d" / "2d": the weight's blocks (nvfp4: 1x16 / 16x16)."""
+    weight_blocks "1d" / "2d": the weight's blocks (nvfp4: 1x16 / 16x16).  freeze: each linear's weight
+    becomes its quantized operand once (hf_fp4.nn.packing.freeze_weight: the same products as a packed export
+    reloaded, without re-quantizing W on every forward; inference only)."""
     if sharq and weights_only:
         raise ValueError("SharQ quantizes activations: it has no weights-only (W4A16) form")
     extra = {"activation_scheme": "sharq"} if sharq else {}
@@ -89,7 +92,13 @@ def post_training_quantize(model, preset: str, hadamard: str = "none", hadamard_
         recipe = config.get_recipe()
         linear = dataclasses.replace(recipe.linear, fprop=dataclasses.replace(recipe.linear.fprop, lhs=None))
         config = FP4TrainConfig(dataclasses.replace(recipe, linear=linear))
-    return apply_fp4_config(model, config)
+    model = apply_fp4_config(model, config)
+    if freeze:
+        from ..nn.packing import freeze_weight
+        from ..nn.swap import fp4_modules
+        for module in fp4_modules(model).values():
+            freeze_weight(module)
+    return model
 
 
 def run_lm_eval(model, tokenizer, tasks: list[str], limit: int | None = None, batch_size: str | int = "auto",
