@@ -1,8 +1,9 @@
 """FP4 attention as Triton flash-attention kernels (issue 12): `flash_forward` and `flash_backward`.
 
-`flash_forward(qh, kh, vh, keep, scale, decodes)` takes the quantized Q^, K^, V^ of `hf_fp4.nn.attention`
-([B, H, T, D], GQA expanded) -- as FP32 values, or as exact BF16 values (code x block scale,
-`attention.tensor_core_operand`) with their tensor decode scales, which run on the tensor cores -- and computes O = softmax(Q^ K^T * scale, masked) V^ tile by tile with an online
+`flash_forward(qh, kh, vh, keep, scale, decodes)` takes the quantized Q^ [B, H, T, D], K^ and V^ [B, H / G, T, D]
+of `hf_fp4.nn.attention` (grouped-query attention: G query heads read one key head, nothing expanded) -- as FP32
+values, or as exact BF16 values (code x block scale, `attention.tensor_core_operand`) with their tensor decode
+scales, which run on the tensor cores -- and computes O = softmax(Q^ K^T * scale, masked) V^ tile by tile with an online
 softmax, never holding S or P: S in FP32 from the exact operand values, P = exp(S - m) rounded to BF16 before
 the P V product ("P V in BF16"), the running max m and sum l in FP32, O = acc / l.
 
@@ -83,7 +84,7 @@ def _query_start(pid_n, BM: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr
 
 
 @triton.jit
-def _flash_forward_kernel(q_ptr, k_ptr, v_ptr, dec_ptr, keep_ptr, o_ptr, lse_ptr, H, TQ, TK, scale,
+def _flash_forward_kernel(q_ptr, k_ptr, v_ptr, dec_ptr, keep_ptr, o_ptr, lse_ptr, H, G, TQ, TK, scale,
                           sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
                           sm_b, sm_h, sm_q, sm_k, so_b, so_h, so_t,
                           BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, HAS_KEEP: tl.constexpr,
@@ -101,10 +102,10 @@ def _flash_forward_kernel(q_ptr, k_ptr, v_ptr, dec_ptr, keep_ptr, o_ptr, lse_ptr
     acc = tl.zeros([BM, D], tl.float32)
     for start in range(0, _key_end(pid_m, BM, TK, CAUSAL), BN):
         cols = start + tl.arange(0, BN)
-        k = tl.load(k_ptr + b * sk_b + h * sk_h + cols[:, None] * sk_t + d[None, :], mask=cols[:, None] < TK,
-                    other=0.0)
-        v = tl.load(v_ptr + b * sv_b + h * sv_h + cols[:, None] * sv_t + d[None, :], mask=cols[:, None] < TK,
-                    other=0.0)
+        k = tl.load(k_ptr + b * sk_b + (h // G) * sk_h + cols[:, None] * sk_t + d[None, :],
+                    mask=cols[:, None] < TK, other=0.0)
+        v = tl.load(v_ptr + b * sv_b + (h // G) * sv_h + cols[:, None] * sv_t + d[None, :],
+                    mask=cols[:, None] < TK, other=0.0)
         s = _dot(q, tl.trans(k), TC, INTERPRETED) * s_scale
         valid = _valid(rows, cols, TQ, TK, CAUSAL)
         if HAS_KEEP:
@@ -128,6 +129,15 @@ def _flash_forward_kernel(q_ptr, k_ptr, v_ptr, dec_ptr, keep_ptr, o_ptr, lse_ptr
     tl.store(o_ptr + b * so_b + h * so_h + rows[:, None] * so_t + d[None, :], out, mask=rows[:, None] < TQ)
 
 
+def _groups(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, name: str) -> int:
+    """Query heads per key head (grouped-query attention: K^, V^ [B, H / G, TK, D], not expanded)."""
+    heads, kv_heads = qh.shape[1], kh.shape[1]
+    if vh.shape[1] != kv_heads or heads % kv_heads or qh.shape[0] != kh.shape[0]:
+        raise ValueError(f"{name}: Q {tuple(qh.shape)}, K {tuple(kh.shape)}, V {tuple(vh.shape)}: K and V need the "
+                         f"same heads, a divisor of Q's, and Q's batch")
+    return heads // kv_heads
+
+
 def _tile(tile: tuple[int, ...] | None, default: tuple[int, int, int]) -> tuple[int, int, int]:
     """(rows, keys, warps) from a tile argument (rows, keys[, warps]) or the default."""
     if tile is None:
@@ -138,7 +148,8 @@ def _tile(tile: tuple[int, ...] | None, default: tuple[int, int, int]) -> tuple[
 def flash_forward(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, keep: torch.Tensor | None, scale: float,
                   decodes: torch.Tensor | None = None, tile: tuple[int, ...] | None = None,
                   causal: bool = False, return_lse: bool = False):
-    """O [B, H, TQ, D] in FP32 from Q^ [B, H, TQ, D], K^ and V^ [B, H, TK, D] and a boolean keep mask
+    """O [B, H, TQ, D] in FP32 from Q^ [B, H, TQ, D], K^ and V^ [B, H / G, TK, D] (G query heads share a key
+    head) and a boolean keep mask
     broadcastable to [B, H, TQ, TK] (or None); causal: also key <= query (computed, no mask read; the key
     tiles after a query block are skipped).  FP32 operands are the values themselves (IEEE dots); BF16
     operands are exact values whose tensor decode scales are `decodes` [3] (Q^ = q decodes[0], ...): the
@@ -148,6 +159,7 @@ def flash_forward(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, keep: to
     tk = kh.shape[2]
     if dim & (dim - 1) or dim < 16:
         raise ValueError(f"flash_forward: head_dim {dim} must be a power of two >= 16")
+    groups = _groups(qh, kh, vh, "flash_forward")
     tc = all(t.dtype == torch.bfloat16 for t in (qh, kh, vh))
     if not tc:
         qh, kh, vh = (t.float() for t in (qh, kh, vh))
@@ -165,7 +177,7 @@ def flash_forward(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, keep: to
     bm, bn, warps = _tile(tile, FORWARD_TILE if tc else IEEE_TILE)
     grid = (triton.cdiv(tq, bm), bsz * heads)
     launcher(_flash_forward_kernel)[grid](
-        qh, kh, vh, decodes.float(), keep, out, lse, heads, tq, tk, float(scale), *qh.stride()[:3],
+        qh, kh, vh, decodes.float(), keep, out, lse, heads, groups, tq, tk, float(scale), *qh.stride()[:3],
         *kh.stride()[:3], *vh.stride()[:3], *mask_strides, *out.stride()[:3], BM=bm, BN=bn, D=dim,
         HAS_KEEP=has_keep, CAUSAL=causal, TC=tc, LSE=return_lse, INTERPRETED=not qh.is_cuda, num_warps=warps,
         enable_fp_fusion=False)
@@ -184,6 +196,13 @@ def flash_forward(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, keep: to
 # on the whole tensor: blocks along keys for dQ (rows = (b, h, query) of the flattened [B H Tq, Tk] matrix),
 # along queries for dK (rows = (b, h, key) of dS^T, seed + 1), or one 2D-tile quantization for both.
 # Phases 2 and 3 compute each dS element with the same instructions, so both GEMMs see the same dS.
+
+@triton.jit
+def _kv_offset(b, h, H, G, TK, D: tl.constexpr):
+    """Where query head h's K^ and V^ start in the contiguous [B, H / G, TK, D] tensors (G query heads per key
+    head: grouped-query attention, K and V not expanded)."""
+    return (b * (H // G) + h // G) * TK * D
+
 
 @triton.jit
 def _scores(q, k_ptr, kb, cols, d, sk_t, TK, keep_ptr, mb, rows, sm_q, sm_k, TQ, s_scale,
@@ -220,7 +239,7 @@ def _decodes(dec_ptr, stat_ptr, scale, QUANT: tl.constexpr, SCALE: tl.constexpr,
 
 @triton.jit
 def _lse_kernel(q_ptr, k_ptr, v_ptr, dec_ptr, do_ptr, delta_ptr, lse_ptr, stat_ptr, keep_ptr,
-                dq_ptr, dk_ptr, dv_ptr, dbg_ptr, seed, H, TQ, TK, TQ_ROWS, TK_ROWS, KP_Q, KP_K, scale,
+                dq_ptr, dk_ptr, dv_ptr, dbg_ptr, seed, H, G, TQ, TK, TQ_ROWS, TK_ROWS, KP_Q, KP_K, scale,
                 sm_b, sm_h, sm_q, sm_k,
                 BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, HAS_KEEP: tl.constexpr, CAUSAL: tl.constexpr,
                 PHASE: tl.constexpr, QUANT: tl.constexpr, SQUARE: tl.constexpr, BR: tl.constexpr,
@@ -232,7 +251,7 @@ def _lse_kernel(q_ptr, k_ptr, v_ptr, dec_ptr, do_ptr, delta_ptr, lse_ptr, stat_p
     dec_q, dec_k, dec_v, s_scale, ds_dec = _decodes(dec_ptr, stat_ptr, scale, False, SCALE, QMAX)
     b, h = pid_bh // H, pid_bh % H
     d = tl.arange(0, D)
-    qb, kb, mb = pid_bh * TQ * D, pid_bh * TK * D, b * sm_b + h * sm_h
+    qb, kb, mb = pid_bh * TQ * D, _kv_offset(b, h, H, G, TK, D), b * sm_b + h * sm_h
     rows = pid * BM + tl.arange(0, BM)
     q = tl.load(q_ptr + qb + rows[:, None] * D + d[None, :], mask=rows[:, None] < TQ, other=0.0)
     m_i = tl.full([BM], float("-inf"), tl.float32)
@@ -252,7 +271,7 @@ def _lse_kernel(q_ptr, k_ptr, v_ptr, dec_ptr, do_ptr, delta_ptr, lse_ptr, stat_p
 
 @triton.jit
 def _dq_kernel(q_ptr, k_ptr, v_ptr, dec_ptr, do_ptr, delta_ptr, lse_ptr, stat_ptr, keep_ptr,
-               dq_ptr, dk_ptr, dv_ptr, dbg_ptr, seed, H, TQ, TK, TQ_ROWS, TK_ROWS, KP_Q, KP_K, scale,
+               dq_ptr, dk_ptr, dv_ptr, dbg_ptr, seed, H, G, TQ, TK, TQ_ROWS, TK_ROWS, KP_Q, KP_K, scale,
                sm_b, sm_h, sm_q, sm_k,
                BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, HAS_KEEP: tl.constexpr, CAUSAL: tl.constexpr,
                PHASE: tl.constexpr, QUANT: tl.constexpr, SQUARE: tl.constexpr, BR: tl.constexpr,
@@ -264,7 +283,8 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, dec_ptr, do_ptr, delta_ptr, lse_ptr, stat_pt
     dec_q, dec_k, dec_v, s_scale, ds_dec = _decodes(dec_ptr, stat_ptr, scale, QUANT and PHASE == 2, SCALE, QMAX)
     b, h = pid_bh // H, pid_bh % H
     d = tl.arange(0, D)
-    qb, kb, mb = pid_bh * TQ * D, pid_bh * TK * D, b * sm_b + h * sm_h  # Q^, dO, dQ [B H TQ D]; K^, V^ [B H TK D]
+    # Q^, dO, dQ [B H TQ D]; K^, V^ [B H/G TK D]
+    qb, kb, mb = pid_bh * TQ * D, _kv_offset(b, h, H, G, TK, D), b * sm_b + h * sm_h
     rows = pid * BM + tl.arange(0, BM)
     q = tl.load(q_ptr + qb + rows[:, None] * D + d[None, :], mask=rows[:, None] < TQ, other=0.0)
     do = tl.load(do_ptr + qb + rows[:, None] * D + d[None, :], mask=rows[:, None] < TQ, other=0.0)
@@ -298,7 +318,7 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, dec_ptr, do_ptr, delta_ptr, lse_ptr, stat_pt
 
 @triton.jit
 def _dkdv_kernel(q_ptr, k_ptr, v_ptr, dec_ptr, do_ptr, delta_ptr, lse_ptr, stat_ptr, keep_ptr,
-                 dq_ptr, dk_ptr, dv_ptr, dbg_ptr, seed, H, TQ, TK, TQ_ROWS, TK_ROWS, KP_Q, KP_K, scale,
+                 dq_ptr, dk_ptr, dv_ptr, dbg_ptr, seed, H, G, TQ, TK, TQ_ROWS, TK_ROWS, KP_Q, KP_K, scale,
                  sm_b, sm_h, sm_q, sm_k,
                  BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, HAS_KEEP: tl.constexpr, CAUSAL: tl.constexpr,
                  PHASE: tl.constexpr, QUANT: tl.constexpr, SQUARE: tl.constexpr, BR: tl.constexpr,
@@ -310,7 +330,8 @@ def _dkdv_kernel(q_ptr, k_ptr, v_ptr, dec_ptr, do_ptr, delta_ptr, lse_ptr, stat_
     dec_q, dec_k, dec_v, s_scale, ds_dec = _decodes(dec_ptr, stat_ptr, scale, QUANT, SCALE, QMAX)
     b, h = pid_bh // H, pid_bh % H
     d = tl.arange(0, D)
-    qb, kb, mb = pid_bh * TQ * D, pid_bh * TK * D, b * sm_b + h * sm_h
+    qb, kb, mb = pid_bh * TQ * D, _kv_offset(b, h, H, G, TK, D), b * sm_b + h * sm_h
+    ob = pid_bh * TK * D  # dK, dV per query head [B H TK D]: summed over each group after
     cols = pid * BN + tl.arange(0, BN)
     v = tl.load(v_ptr + kb + cols[:, None] * D + d[None, :], mask=cols[:, None] < TK, other=0.0)
     dk = tl.zeros([BN, D], tl.float32)
@@ -336,14 +357,15 @@ def _dkdv_kernel(q_ptr, k_ptr, v_ptr, dec_ptr, do_ptr, delta_ptr, lse_ptr, stat_
                 dk += _dot(vals, q, TC, INTERPRETED)
         else:
             dk += _dot(tl.trans(ds), q, False, INTERPRETED)
-    tl.store(dk_ptr + kb + cols[:, None] * D + d[None, :], dk * (ds_dec * dec_q * scale), mask=cols[:, None] < TK)
-    tl.store(dv_ptr + kb + cols[:, None] * D + d[None, :], dv, mask=cols[:, None] < TK)
+    tl.store(dk_ptr + ob + cols[:, None] * D + d[None, :], dk * (ds_dec * dec_q * scale), mask=cols[:, None] < TK)
+    tl.store(dv_ptr + ob + cols[:, None] * D + d[None, :], dv, mask=cols[:, None] < TK)
 
 
 def flash_backward(qh, kh, vh, out, d_out, keep, scale: float, ds_spec, seed: int, decodes: torch.Tensor | None = None,
                    tile: tuple[int, ...] | None = None, debug: bool = False, causal: bool = False,
                    lse: torch.Tensor | None = None):
-    """dQ, dK, dV in FP32 ([B, H, T, D], GQA expanded) of hf_fp4.nn.attention's backward, from the saved Q^, K^, V^
+    """dQ, dK, dV in FP32, all [B, H, T, D] (dK, dV per query head: a key head's gradient is the sum over its G
+    query heads) of hf_fp4.nn.attention's backward, from the saved Q^, K^, V^
     (FP32 values, or exact BF16 values with their tensor `decodes` [3] as flash_forward takes them), the forward
     output and dO; ds_spec: dS's QuantSpec (None: high precision).  The tensor cores run every GEMM when the
     operands are BF16 and so is dO (products exact, FP32 sums; tensor scales applied after); otherwise IEEE FP32
@@ -359,6 +381,7 @@ def flash_backward(qh, kh, vh, out, d_out, keep, scale: float, ds_spec, seed: in
     bsz, heads, tq, dim = qh.shape
     tk = kh.shape[2]
     dev = qh.device
+    groups = _groups(qh, kh, vh, "flash_backward")
     tc = decodes is not None and all(t.dtype == torch.bfloat16 for t in (qh, kh, vh, d_out))
     if decodes is None:
         decodes = torch.ones(3, dtype=torch.float32, device=dev)
@@ -377,7 +400,7 @@ def flash_backward(qh, kh, vh, out, d_out, keep, scale: float, ds_spec, seed: in
                          f"{tuple(lse.shape)}")
     lse = lse.contiguous()
     stat = torch.zeros(1, dtype=torch.float32, device=dev)
-    dq, dk, dv = (torch.empty(t.shape, dtype=torch.float32, device=dev) for t in (qh, kh, vh))
+    dq, dk, dv = (torch.empty(qh.shape[:2] + t.shape[2:], dtype=torch.float32, device=dev) for t in (qh, kh, vh))
     dbg = torch.zeros(bsz, heads, tq, tk, dtype=torch.float32, device=dev) if debug else stat
     if keep is not None:
         keep_t = keep.to(torch.int8).expand(bsz, heads, tq, tk)
@@ -397,7 +420,8 @@ def flash_backward(qh, kh, vh, out, d_out, keep, scale: float, ds_spec, seed: in
         kp_q, kp_k = tk + (-tk % bc), tq + (-tq % bc)
     quant.pop("EMIN", None)
     quant.pop("MBITS", None)
-    args = (qh, kh, vh, decodes.float().contiguous(), do, delta, lse, stat, keep_t, dq, dk, dv, dbg, seed, heads, tq, tk, rows_q, rows_k, kp_q, kp_k,
+    args = (qh, kh, vh, decodes.float().contiguous(), do, delta, lse, stat, keep_t, dq, dk, dv, dbg, seed, heads,
+            groups, tq, tk, rows_q, rows_k, kp_q, kp_k,
             float(scale), *mask_strides)
     consts = dict(BM=bm, BN=bn, D=dim, HAS_KEEP=keep is not None, CAUSAL=causal, DEBUG=debug, TC=tc, INTERPRETED=not qh.is_cuda,
                   **quant)

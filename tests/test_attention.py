@@ -237,6 +237,39 @@ def test_the_flash_backward_quantizes_its_ds_as_the_spec_and_makes_the_spec_grad
         assert not within(dq, dbg * scale, kh.double())
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("tensor_cores", [False, True])
+def test_the_flash_kernels_read_grouped_key_heads_without_expanding_them(tensor_cores, causal):
+    """GQA: K^, V^ with H / G heads give the same O, log-sum-exp, dQ and per-query-head dK, dV bit for bit as the
+    same tensors expanded to H heads (each query head reads its group's key head; nothing is copied).
+    fp4_attention sums dK, dV over each group (test_fp4_attention_on_the_triton_backend_matches_the_reference,
+    GQA, against the reference's)."""
+    from hf_fp4.nn.attention import tensor_core_operand
+    from hf_fp4.kernels.attention import flash_backward, flash_forward
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(4)
+    q, k, v, do = (torch.randn(B, h, T, D, generator=g) for h in (H, HKV, HKV, H))
+    decodes = None
+    if tensor_cores:
+        ops = [tensor_core_operand(x, QuantSpec.preset("nvfp4"), 0) for x in (q, k, v)]
+        (q, k, v), decodes = (o[0] for o in ops), torch.stack([o[1] for o in ops]).to(dev)
+        do = do.to(torch.bfloat16)
+    keep = None if causal else torch.rand(B, 1, T, T, generator=g) > 0.3
+    keep_d = keep.to(dev) if keep is not None else None
+    spec = QuantSpec.preset("nvfp4")
+    results = []
+    for kk, vv in ((k, v), (k.repeat_interleave(H // HKV, 1), v.repeat_interleave(H // HKV, 1))):
+        args = [x.to(dev) for x in (q, kk, vv)]
+        out, lse = flash_forward(*args, keep_d, D ** -0.5, decodes, (16, 16), causal, return_lse=True)
+        grads = flash_backward(*args, out, do.to(dev), keep_d, D ** -0.5, spec, 5, decodes, (16, 16),
+                               causal=causal, lse=lse)
+        results.append([out, lse, *grads])
+    for grouped, expanded in zip(*results):
+        assert grouped.shape == expanded.shape
+        assert torch.equal(grouped, expanded)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fp4_attention_on_the_triton_backend_matches_the_reference(dtype):
     """fp4_attention(backend="triton"): the flash kernels' output and gradients match the reference path's

@@ -154,9 +154,20 @@ def _probabilities(qh, kh, scale, keep):
     return torch.nan_to_num(p, nan=0.0) if keep is not None else p  # a fully masked row: P = 0
 
 
+def _expand(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """[B, H / G, T, D] -> [B, H, T, D]: each key head repeated for its G query heads (the reference path)."""
+    return t.repeat_interleave(groups, dim=1) if groups > 1 else t
+
+
+def _group_sum(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """[B, H, T, D] per query head -> [B, H / G, T, D]: a key head's gradient sums its query heads'."""
+    return t.view(t.shape[0], -1, groups, *t.shape[2:]).sum(2) if groups > 1 else t
+
+
 class FP4AttentionFunction(torch.autograd.Function):
-    """q [B, H, Tq, D], k / v [B, H, Tk, D] (GQA already expanded), keep: bool [B or 1, H or 1, Tq, Tk] or
-    None; causal: also key <= query.  Returns O [B, H, Tq, D] in q's dtype."""
+    """q [B, H, Tq, D], k / v [B, H / G, Tk, D] (G query heads per key head; K and V are quantized as they are,
+    not expanded), keep: bool [B or 1, H or 1, Tq, Tk] or None; causal: also key <= query.  Returns O
+    [B, H, Tq, D] in q's dtype."""
 
     @staticmethod
     def forward(ctx, q, k, v, keep, scale: float, recipe: AttentionRecipe, seed: int, backend: str = "reference",
@@ -176,8 +187,10 @@ class FP4AttentionFunction(torch.autograd.Function):
             out = out.to(q.dtype)
         else:
             qh, kh, vh = (quantize_rows(*a) for a in args)
-            p = _probabilities(qh, kh, scale, _with_causal(keep, causal, q.shape[2], k.shape[2], q.device))
-            out, lse = (p.to(torch.bfloat16).float() @ vh).to(q.dtype), None
+            groups = q.shape[1] // k.shape[1]
+            p = _probabilities(qh, _expand(kh, groups), scale,
+                               _with_causal(keep, causal, q.shape[2], k.shape[2], q.device))
+            out, lse = (p.to(torch.bfloat16).float() @ _expand(vh, groups)).to(q.dtype), None
         ctx.save_for_backward(qh, kh, vh, out, keep, decodes, lse)
         ctx.scale, ctx.recipe, ctx.seed, ctx.dtypes = scale, recipe, seed, (q.dtype, k.dtype, v.dtype)
         ctx.backend, ctx.causal = backend, causal
@@ -191,16 +204,20 @@ class FP4AttentionFunction(torch.autograd.Function):
             from ..kernels.attention import flash_backward
             dq, dk, dv = flash_backward(qh, kh, vh, out, d_out, keep, ctx.scale, ctx.recipe.ds, ctx.seed + 3,
                                         decodes, causal=ctx.causal, lse=lse)  # the forward's log-sum-exp
+            groups = qh.shape[1] // kh.shape[1]
+            dk, dv = _group_sum(dk, groups), _group_sum(dv, groups)
             return dq.to(q_dtype), dk.to(k_dtype), dv.to(v_dtype), None, None, None, None, None, None
-        # recomputed from the saved quantized Q^, K^
+        # recomputed from the saved quantized Q^, K^ (K^, V^ expanded to the query heads here only)
+        groups = qh.shape[1] // kh.shape[1]
+        kh, vh = _expand(kh, groups), _expand(vh, groups)
         p = _probabilities(qh, kh, ctx.scale, _with_causal(keep, ctx.causal, qh.shape[2], kh.shape[2], qh.device))
         d_out = d_out.float()
-        dv = p.to(torch.bfloat16).float().transpose(-1, -2) @ d_out
+        dv = _group_sum(p.to(torch.bfloat16).float().transpose(-1, -2) @ d_out, groups)
         dp = d_out @ vh.transpose(-1, -2)
         ds = p * (dp - (d_out * out.float()).sum(dim=-1, keepdim=True))
         ds_keys, ds_queries = _ds_operands(ds, ctx.recipe.ds, ctx.seed + 3)
         dq = (ds_keys @ kh) * ctx.scale
-        dk = (ds_queries.transpose(-1, -2) @ qh) * ctx.scale
+        dk = _group_sum((ds_queries.transpose(-1, -2) @ qh) * ctx.scale, groups)
         return dq.to(q_dtype), dk.to(k_dtype), dv.to(v_dtype), None, None, None, None, None, None
 
 
@@ -228,9 +245,8 @@ def fp4_attention(q, k, v, keep=None, scale: float | None = None, recipe: "Atten
         backend = "triton" if q.is_cuda else "reference"
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"fp4_attention: {q.shape[1]} query heads are not a multiple of {k.shape[1]} key heads")
-    groups = q.shape[1] // k.shape[1]
-    if groups > 1:
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    if v.shape[1] != k.shape[1]:
+        raise ValueError(f"fp4_attention: k has {k.shape[1]} heads, v {v.shape[1]}")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     return FP4AttentionFunction.apply(q, k, v, keep, float(scale), AttentionRecipe.build(recipe), int(seed), backend,
                                       bool(causal))
