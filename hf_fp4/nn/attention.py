@@ -26,6 +26,7 @@ quantized in registers exactly as quantize_rows would quantize the kernel's own 
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,6 +107,12 @@ def quantize_rows(x: torch.Tensor, spec: QuantSpec | None, seed: int) -> torch.T
     return out.reshape(x.shape)[..., :rows, :]
 
 
+@functools.lru_cache(maxsize=None)
+def _no_seeds(device: torch.device) -> torch.Tensor:
+    """The (unused) Philox seeds of a round-to-nearest operand, one device tensor per device."""
+    return torch.zeros(2, dtype=torch.int64, device=device)
+
+
 def tensor_core_operand(x: torch.Tensor, spec: QuantSpec | None, seed: int, backend: str = "reference"
                         ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(values in BF16, FP32 tensor decode scale) with values * decode == quantize_rows(x, spec, seed) bit for
@@ -127,7 +134,8 @@ def tensor_core_operand(x: torch.Tensor, spec: QuantSpec | None, seed: int, back
         y = torch.nn.functional.pad(x, (0, 0, 0, pad)) if pad else x
         y2 = y.reshape(-1, y.shape[-1])
         plan = OperandPlan(spec, 0, False, "bf16", max(16, spec.block[1]))
-        seeds = torch.tensor([seed, 0], dtype=torch.int64).to(x.device, non_blocking=True)
+        seeds = (torch.tensor([seed, 0], dtype=torch.int64).to(x.device, non_blocking=True)
+                 if spec.rounding.value == "stochastic" else _no_seeds(x.device))  # nearest: no copy to the device
         op = triton_operands(y2, (plan, None), seeds)[0]
         values, decode = op.data[:y2.shape[0], :y2.shape[1]], op.scale.reshape(())
     else:
