@@ -57,6 +57,13 @@ def _bf16_values(p, TC: tl.constexpr, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
+def _row_lse(m_i, l_i):
+    """A row's log-sum-exp from its online max and sum (the forward's and phase 0's): +inf for a row that sees
+    no key; a NaN stays NaN."""
+    return tl.where(l_i == 0, float("inf"), m_i + tl.log(tl.where(l_i == 0, 1.0, l_i)))
+
+
+@triton.jit
 def _valid(rows, cols, TQ, TK, CAUSAL: tl.constexpr):
     """In range, and (causal) a key at or before the query (aligned at the start, as Transformers' SDPA)."""
     valid = (rows[:, None] < TQ) & (cols[None, :] < TK)
@@ -121,8 +128,7 @@ def _flash_forward_kernel(q_ptr, k_ptr, v_ptr, dec_ptr, keep_ptr, o_ptr, lse_ptr
         acc = acc * alpha[:, None] + _dot(_bf16_values(p, TC, INTERPRETED), v, TC, INTERPRETED)  # P in BF16
         m_i = m_new
     if LSE:
-        lse = tl.where(l_i == 0, float("inf"), m_i + tl.log(tl.where(l_i == 0, 1.0, l_i)))  # NaN stays NaN
-        tl.store(lse_ptr + pid_bh * TQ + rows, lse, mask=rows < TQ)
+        tl.store(lse_ptr + pid_bh * TQ + rows, _row_lse(m_i, l_i), mask=rows < TQ)
     acc = acc * tl.load(dec_ptr + 2)
     # a row that attends to no key is 0; a NaN sum (a NaN score or value) stays NaN -- never a silent 0
     out = tl.where(l_i[:, None] == 0, 0.0, acc / tl.where(l_i == 0, 1.0, l_i)[:, None])
@@ -265,8 +271,7 @@ def _lse_kernel(q_ptr, k_ptr, v_ptr, dec_ptr, do_ptr, delta_ptr, lse_ptr, stat_p
         l_i = l_i * tl.where(live, tl.exp(m_i - tl.where(live, m_new, 0.0)), 1.0) + tl.sum(
             tl.where(s == float("-inf"), 0.0, tl.exp(s - tl.where(live, m_new, 0.0)[:, None])), axis=1)
         m_i = m_new
-    lse = tl.where(l_i == 0, float("inf"), m_i + tl.log(tl.where(l_i == 0, 1.0, l_i)))  # NaN stays NaN
-    tl.store(lse_ptr + pid_bh * TQ + rows, lse, mask=rows < TQ)
+    tl.store(lse_ptr + pid_bh * TQ + rows, _row_lse(m_i, l_i), mask=rows < TQ)
 
 
 @triton.jit

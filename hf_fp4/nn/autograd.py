@@ -28,6 +28,12 @@ def output_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
+def x_seeds(plan: LinearPlan, seeds: torch.Tensor) -> torch.Tensor:
+    """The Philox seeds of x's operands: the layer's own under stochastic rounding or a random Hadamard, else
+    one constant (see FP4LinearFunction.forward)."""
+    return seeds[0:2] if plan.seeded("x") else torch.zeros(2, dtype=seeds.dtype, device=seeds.device)
+
+
 def _tensor_operands(t, plan: LinearPlan, seeds, signs, mu, need, tensor, observer):
     """Both orientations of one tensor (the second only when its GEMM will run); t as the layer got it (the
     operand layer reads [..., C] as [rows, C] without a reshape)."""
@@ -52,8 +58,7 @@ class FP4LinearFunction(torch.autograd.Function):
         # Layers that share an input (q/k/v, gate/up) and round it deterministically make identical operands of
         # it: with seeds that are the same constant for all of them (and shared sign vectors), torch.compile's
         # common-subexpression elimination quantizes x once for all of them.
-        x_seeds = seeds[0:2] if plan.seeded("x") else torch.zeros(2, dtype=seeds.dtype, device=seeds.device)
-        ox, oxt = _tensor_operands(x, plan, x_seeds, signs, mu, need[1], "x", observer)
+        ox, oxt = _tensor_operands(x, plan, x_seeds(plan, seeds), signs, mu, need[1], "x", observer)
         ow, owt = _tensor_operands(weight, plan, seeds[2:4], signs, None, need[0], "w", observer)
         # fprop: y = Q(x) Q(W)^T    [T,K] @ [K,N] -> [T,N]
         if plan.forms[0] == "hp" and mu is None:

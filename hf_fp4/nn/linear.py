@@ -29,8 +29,8 @@ from torch import nn
 from ..numerics.hadamard import apply_hadamard, seeded_signs
 from . import lora_svd
 from .backends import quantize
-from .autograd import ROLES, FP4LinearFunction, output_dtype
-from .operands import BACKENDS, operand_values, plans_by_backend
+from .autograd import ROLES, FP4LinearFunction, output_dtype, x_seeds
+from .operands import BACKENDS, LinearPlan, operand_values, plans_by_backend
 from ..numerics.philox import STEP_MIX, philox_signs, step_seed
 from .recipe import GEMMS, HadamardKind, LinearRecipe
 from ..numerics.scales import ScaleRule
@@ -147,7 +147,7 @@ class FP4Linear(nn.Linear):
         self._plans = plans_by_backend(self._recipe, self._frozen_weight, self._fp8_gemms)
         self._plans["graphs"] = dataclasses.replace(self._plans["triton"], triton_ops=False)
         if self._frozen_weight:  # inference on the stored operand (_frozen_product): x in the BF16 form
-            self._plans["frozen"] = plans_by_backend(self._recipe, False, False)["triton"]
+            self._plans["frozen"] = LinearPlan.build(self._recipe, "triton", fp8_gemms=False)
 
     # ------------------------------------------------------------------------------------------
     # LoRA-SVD residual compensation (Full-Stack FP4; hf_fp4.nn.lora_svd)
@@ -260,22 +260,28 @@ class FP4Linear(nn.Linear):
         if backend == "triton" and self._frozen_fast(x):
             return self._frozen_product(x)
         plan = self._plans["graphs" if backend == "triton" and self.cuda_graphs else backend]
+        x_in, out_dtype, seeds, signs = self._step_inputs(x)
+        training = torch.is_grad_enabled()
+        if training:
+            self._step.add_(1)
+        need = (training and x.requires_grad, training and self.weight.requires_grad)
+        observer = functools.partial(_notify, self) if _OBSERVERS else None
+        return FP4LinearFunction.apply(x_in, self.weight, self.bias, seeds, signs, plan, need, out_dtype, observer)
+
+    def _step_inputs(self, x: torch.Tensor, gemms: tuple[str, ...] = GEMMS):
+        """(x as the GEMMs take it, the output dtype, this step's Philox seeds, the Hadamard signs of each of
+        `gemms`)."""
         if self._step.device != x.device:  # moved without Module.to() (e.g. by a sharding wrapper)
             self._place_rng(self._step.to(x.device) if not self._step.is_meta else
                             torch.zeros((), dtype=torch.int64, device=x.device))
-        step, bases, fixed = self._step, self._seed_bases, self._fixed_signs
-        training = torch.is_grad_enabled()
-        seeds = bases + step * STEP_MIX
-        signs = tuple(fixed[g] if g in fixed else self.hadamard_signs(g, step) for g in GEMMS)
-        if training:
-            step.add_(1)
-        need = (training and x.requires_grad, training and self.weight.requires_grad)
-        observer = functools.partial(_notify, self) if _OBSERVERS else None
+        step, fixed = self._step, self._fixed_signs
+        seeds = self._seed_bases + step * STEP_MIX
+        signs = tuple(fixed[g] if g in fixed else self.hadamard_signs(g, step) for g in gemms)
         out_dtype = output_dtype(x)
         # Under autocast the activations enter the GEMMs in the autocast dtype, as nn.Linear's (and
         # TransformerEngine's) do: x is quantized from BF16, and read in half the bytes.
         x_in = x.to(out_dtype) if out_dtype != x.dtype and torch.is_autocast_enabled(x.device.type) else x
-        return FP4LinearFunction.apply(x_in, self.weight, self.bias, seeds, signs, plan, need, out_dtype, observer)
+        return x_in, out_dtype, seeds, signs
 
     def _frozen_fast(self, x: torch.Tensor) -> bool:
         """Whether fprop on a frozen (packed) weight can run on the tensor cores: inference (no gradient
@@ -294,15 +300,8 @@ class FP4Linear(nn.Linear):
         from .operands import Operand, gemm, operands
 
         plan = self._plans["frozen"]
-        if self._step.device != x.device:
-            self._place_rng(self._step.to(x.device))
-        seeds = self._seed_bases + self._step * STEP_MIX
-        fixed = self._fixed_signs
-        sign = fixed["fprop"] if "fprop" in fixed else self.hadamard_signs("fprop", self._step)
-        out_dtype = output_dtype(x)
-        x_in = x.to(out_dtype) if out_dtype != x.dtype and torch.is_autocast_enabled(x.device.type) else x
-        x_seeds = seeds[0:2] if plan.seeded("x") else torch.zeros(2, dtype=seeds.dtype, device=seeds.device)
-        ox = operands(x_in, (plan.x[0], None), x_seeds, (sign, None))[0]
+        x_in, out_dtype, seeds, (sign,) = self._step_inputs(x, ("fprop",))
+        ox = operands(x_in, (plan.x[0], None), x_seeds(plan, seeds), (sign, None))[0]
         values = self.frozen_w_values
         if values.shape[1] != ox.data.shape[1]:  # the two paddings of K (blocks, Hadamard, alignment) differ
             values = nn.functional.pad(values[:, :ox.data.shape[1]], (0, max(0, ox.data.shape[1] - values.shape[1])))
