@@ -19,7 +19,7 @@ from hf_fp4.kernels.quant import SCALE_CODES
 from hf_fp4.numerics.operand_plan import OperandPlan
 
 
-#: Kernels launched with enable_fp_fusion=False (kernels/attention.py: every product and sum rounded on its own).
+#: Kernels launched with enable_fp_fusion=False (kernels/src/attention.py: every product and sum rounded on its own).
 UNFUSED = (attention._flash_forward_kernel, attention._lse_kernel, attention._dq_kernel, attention._dkdv_kernel)
 
 

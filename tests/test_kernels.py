@@ -149,7 +149,7 @@ def test_kernel_matches_reference_at_large_sizes_on_gpu(spec):
 
 
 # ------------------------------------------------------------------------------------------------
-# GEMM operands (kernels/operand.py): both orientations of a tensor from one pass, equal to the
+# GEMM operands (kernels/src/operand.py): both orientations of a tensor from one pass, equal to the
 # reference's dequantized values bit for bit, for every form a recipe can ask for.
 from exactness import FP32_BITS, FP8_MMA_BITS, assert_within_accumulation_error  # noqa: E402
 from hf_fp4.nn.operands import OperandPlan, fp8_capable, gemm, operand_values, reference_operand  # noqa: E402
@@ -512,7 +512,7 @@ def _specials(n, seed):
 
 @pytest.mark.parametrize("n", [4096 * 2, 1000])  # EVEN, and a masked tail
 def test_scale_output_is_torchs_mul_and_cast_bit_for_bit(n):
-    """The BF16-form GEMM's fused epilogue (kernels/gemm.scale_output) rounds exactly as
+    """The BF16-form GEMM's fused epilogue (kernels/src/gemm.scale_output) rounds exactly as
     (out * (sa * sb)).to(bf16) does: FP32 product of the scales, FP32 product, BF16 ties to even; NaN stays NaN."""
     from hf_fp4.kernels import gemm as gemm_kernels
 
@@ -561,7 +561,7 @@ def test_bf16_bits_keeps_nan_whatever_its_payload():
 @pytest.mark.parametrize("rows", [256, 200])  # whole walks, and a last walk past the tensor's rows
 def test_stats_pass_walking_several_row_tiles_matches_reference(monkeypatch, name, form, h, rows):
     """The stats pass's programs walk up to 8 row tiles each, keeping the tensor amax and the per-column amax
-    in registers (kernels/operand._stats_steps): forced here at a small size, the operands stay the reference's."""
+    in registers (kernels/src/operand._stats_steps): forced here at a small size, the operands stay the reference's."""
     from hf_fp4.kernels import operand as operand_kernels
 
     monkeypatch.setattr(operand_kernels, "STATS_PROGRAMS", 1)

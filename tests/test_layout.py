@@ -19,7 +19,7 @@ def module_files() -> dict[str, Path]:
     for path in (ROOT / "hf_fp4").rglob("*.py"):
         parts = path.relative_to(ROOT).with_suffix("").parts
         out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
-    for path in (ROOT / "kernels").glob("*.py"):
+    for path in (ROOT / "kernels" / "src").glob("*.py"):
         out["hf_fp4.kernels" + ("" if path.stem == "__init__" else f".{path.stem}")] = path
     return out
 
@@ -82,10 +82,27 @@ def test_the_reference_imports_no_kernel():
 
 
 def test_the_wheel_ships_every_subpackage():
-    """pyproject.toml lists the packages by hand (kernels/ maps to hf_fp4.kernels): a new subpackage missing
+    """pyproject.toml lists the packages by hand (kernels/src/ maps to hf_fp4.kernels): a new subpackage missing
     there would import in an editable install and be absent from the wheel the GPU machine installs."""
     import tomllib
 
     listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     present = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "hf_fp4").rglob("__init__.py")}
     assert present | {"hf_fp4.kernels"} == listed
+
+
+def test_a_checkout_on_sys_path_never_shadows_hugging_faces_kernels_package(tmp_path):
+    """`python -m hf_fp4` / `python -c` from the repository root put the checkout first on sys.path; the card's
+    kernels/ folder must not then be what `import kernels` finds (transformers >= 5.25 installs Hugging Face's
+    kernel hub and imports names from it while loading; a regular package here broke every model load).  Checked
+    with a stand-in kernel hub further down sys.path (and no site-packages), whichever transformers is installed."""
+    import subprocess
+    import sys
+
+    hub = tmp_path / "site" / "kernels"
+    hub.mkdir(parents=True)
+    (hub / "__init__.py").write_text("CUDAProperties = 'the hub'\n")
+    probe = ("import sys; sys.path.append(sys.argv[1]); from kernels import CUDAProperties; print(CUDAProperties)")
+    done = subprocess.run([sys.executable, "-S", "-c", probe, str(tmp_path / "site")], cwd=ROOT, capture_output=True,
+                          text=True)
+    assert done.returncode == 0 and done.stdout.strip() == "the hub", done.stderr

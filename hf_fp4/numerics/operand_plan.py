@@ -99,7 +99,7 @@ class OperandPlan:
 
 class Operand(NamedTuple):
     """fp32/hp: data only (scale = 1); bf16: data + FP32 tensor scale; fp8: E4M3 data, FP32 row scales, and the
-    lost-block parts (side values, block exponents, row flags + a last "any row" flag; kernels/operand.py).  Unused: empty."""
+    lost-block parts (side values, block exponents, row flags + a last "any row" flag; kernels/src/operand.py).  Unused: empty."""
 
     data: torch.Tensor
     scale: torch.Tensor

@@ -1,4 +1,4 @@
-"""The GEMM of two FP8 operands (kernels/operand.py), exact and without host synchronisation.
+"""The GEMM of two FP8 operands (kernels/src/operand.py), exact and without host synchronisation.
 
 `fp8_gemm(a, b, m, n, out_dtype)` computes a [M, K] @ b [N, K]^T from the E4M3 data and row scales:
 
