@@ -193,7 +193,7 @@ def bench_quant(dev, n, results):
         spec = QuantSpec.preset(name)
         if sr:
             spec = dataclasses.replace(spec, rounding="stochastic")
-        return OperandPlan(spec, h, h > 0, form, max(16, h, spec.block[1]))
+        return OperandPlan.single(spec, form, h, h > 0)
 
     out_bytes = {"fp8": 1, "bf16": 2}
     cases = [  # label, plans (rows of t, rows of t^T), signs

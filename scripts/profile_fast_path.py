@@ -44,7 +44,7 @@ def plan(name, form, h=0, sr=False):
     spec = QuantSpec.preset(name)
     if sr:
         spec = dataclasses.replace(spec, rounding="stochastic")
-    return OperandPlan(spec, h, h > 0, form, max(16, h, spec.block[1]))
+    return OperandPlan.single(spec, form, h, h > 0)
 
 
 CASES = {

@@ -38,7 +38,7 @@ def operand_plan(name: str, form: str, hadamard: int = 0, signed: bool = False, 
     spec = QuantSpec.preset(name)
     if sr:
         spec = dataclasses.replace(spec, rounding="stochastic")
-    return OperandPlan(spec, hadamard, signed, form, max(16, spec.block[1], hadamard))
+    return OperandPlan.single(spec, form, hadamard, signed)
 
 
 #: The operand kernel's main variants (x of an MX recipe both ways, NVFP4 rows / columns / both with SR + RHT).

@@ -167,7 +167,7 @@ def operand_cases():
 
 
 def plan_for(spec, form, h, signed):
-    return OperandPlan(spec, h, signed, form, max(16, h, spec.block[1]))
+    return OperandPlan.single(spec, form, h, signed)
 
 
 def assert_operands_exact(t, plans, seeds, signs, mu=None, tile=None):

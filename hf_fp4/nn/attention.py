@@ -133,7 +133,7 @@ def tensor_core_operand(x: torch.Tensor, spec: QuantSpec | None, seed: int, back
 
         y = torch.nn.functional.pad(x, (0, 0, 0, pad)) if pad else x
         y2 = y.reshape(-1, y.shape[-1])
-        plan = OperandPlan(spec, 0, False, "bf16", max(16, spec.block[1]))
+        plan = OperandPlan.single(spec, "bf16")
         seeds = (torch.tensor([seed, 0], dtype=torch.int64).to(x.device, non_blocking=True)
                  if spec.rounding.value == "stochastic" else _no_seeds(x.device))  # nearest: no copy to the device
         op = triton_operands(y2, (plan, None), seeds)[0]

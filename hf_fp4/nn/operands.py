@@ -225,7 +225,7 @@ def quantized_matmul(a: torch.Tensor, b: torch.Tensor, spec: QuantSpec, backend:
     fast = backend == "triton" or (backend == "auto" and a.is_cuda)
     form = "fp32" if not fast or spec.scale is ScaleRule.FP32 else (
         "fp8" if fp8_gemms and fp8_capable(spec) else "bf16")
-    plan = OperandPlan(spec, 0, False, form, max(16, spec.block[1]))
+    plan = OperandPlan.single(spec, form)
     seeds = torch.zeros(2, dtype=torch.int64, device=a.device)
     if form in KERNEL_FORMS:  # never compiled (the optimizer's step): the kernels called directly, no custom ops
         from ..kernels.operand import triton_operands

@@ -59,6 +59,12 @@ class OperandPlan:
     form: str = "bf16"
     k_align: int = 16
 
+    @classmethod
+    def single(cls, spec: QuantSpec, form: str, hadamard: int = 0, signed: bool = False) -> "OperandPlan":
+        """The plan of an operand whose GEMM partner shares its spec and Hadamard: the contraction aligned to
+        16, the block and the Hadamard size (as LinearPlan aligns a GEMM's two operands)."""
+        return cls(spec, hadamard, signed, form, max(16, hadamard, spec.block[1]))
+
     def __post_init__(self):
         if self.form not in FORMS:
             raise ValueError(f"OperandPlan.form: unknown {self.form!r}; valid: {', '.join(FORMS)}")
