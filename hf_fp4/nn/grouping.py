@@ -1,0 +1,92 @@
+"""The routing layout of grouped expert GEMMs (issue 16): every expert's tokens in one padded row segment.
+
+A MoE layer routes each of T tokens to k experts.  The grouped GEMMs read the T*k (token, slot) pairs sorted
+by expert, each expert's pairs padded with zero rows to a multiple of `align` rows:
+
+    rows  [R]   the pair (token * k + slot) a padded row holds, -1 for a padding row
+    offsets [E+1]  where each expert's segment starts (multiples of align); offsets[E] = rows in use
+    counts [E]  the pairs routed to each expert
+    tile_expert [R // align]  the expert whose segment holds each align-row tile, -1 past offsets[E]
+
+Segments start at multiples of `align`, so an operand's blocks along the rows (the wgrad operands, blocks
+along the tokens) never straddle two experts, and a GEMM tile of `align` rows belongs to one expert.
+
+Everything is computed on the device, with no host synchronisation and shapes that depend only on (T, k, E,
+align): R is the worst case, T*k + E*(align - 1) rounded up to align -- so the layout works under CUDA graphs and
+torch.compile(fullgraph=True).  Expert ids outside [0, E) (expert-parallel sentinels) are routed nowhere, as in
+Transformers' experts forwards.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    rows: torch.Tensor
+    offsets: torch.Tensor
+    counts: torch.Tensor
+    tile_expert: torch.Tensor
+    align: int
+    top_k: int
+
+    @property
+    def num_experts(self) -> int:
+        return self.counts.shape[0]
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        """The token each padded row reads (0 for padding rows, whose `valid` is False)."""
+        return self.rows.clamp(min=0) // self.top_k
+
+    @property
+    def valid(self) -> torch.Tensor:
+        return self.rows >= 0
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H] -> [R, H]: each padded row's token, zero rows for the padding."""
+        return torch.where(self.valid[:, None], x[self.tokens], x.new_zeros(()))
+
+    def combine(self, y: torch.Tensor, weights: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """y [R, H] -> [T, H] in FP32: each token's rows weighted by its routing weight (weights [T, k]) and
+        summed.  Padding rows are dropped whatever they hold (a bias, or a NaN from a non-finite weight)."""
+        w = weights.reshape(-1)[self.rows.clamp(min=0)].float()
+        contrib = torch.where(self.valid[:, None], y.float() * w[:, None], 0.0)
+        return torch.zeros((num_tokens, y.shape[1]), dtype=torch.float32, device=y.device).index_add_(
+            0, self.tokens, contrib)
+
+
+def padded_rows(num_pairs: int, num_experts: int, align: int) -> int:
+    """Rows of the layout: the worst case of sum_e round_up(count_e, align) over all routings."""
+    return -(-(num_pairs + num_experts * (align - 1)) // align) * align
+
+
+def group_layout(top_k_index: torch.Tensor, num_experts: int, align: int) -> GroupLayout:
+    """The layout of a routing top_k_index [T, k] (int) over num_experts experts, segments aligned to `align`."""
+    if top_k_index.dim() != 2:
+        raise ValueError(f"top_k_index must be [tokens, k], got shape {tuple(top_k_index.shape)}")
+    if align < 1 or num_experts < 1:
+        raise ValueError(f"group_layout needs align >= 1 and num_experts >= 1, got {align}, {num_experts}")
+    dev, k = top_k_index.device, top_k_index.shape[1]
+    flat = top_k_index.reshape(-1).long()
+    key = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)  # the unrouted last
+    order = torch.argsort(key, stable=True)
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=dev).scatter_add_(
+        0, key, torch.ones_like(key))[:num_experts]
+    padded = (counts + align - 1) // align * align
+    zero = counts.new_zeros(1)
+    offsets = torch.cat([zero, padded.cumsum(0)])
+    starts = torch.cat([zero, counts.cumsum(0)])  # where each expert's pairs start in `order`
+    sorted_key = key[order]
+    e = sorted_key.clamp(max=num_experts - 1)
+    j = torch.arange(flat.numel(), device=dev)
+    n_rows = padded_rows(flat.numel(), num_experts, align)
+    # unrouted pairs go to a scratch row past the end, cut off below
+    dest = torch.where(sorted_key < num_experts, offsets[e] + j - starts[e], n_rows)
+    rows = torch.full((n_rows + 1,), -1, dtype=torch.long, device=dev).scatter_(0, dest, order)[:n_rows]
+    tile_start = torch.arange(0, n_rows, align, device=dev)
+    tile_expert = torch.searchsorted(offsets[1:], tile_start, right=True)
+    tile_expert = torch.where(tile_expert < num_experts, tile_expert, -1)
+    return GroupLayout(rows, offsets, counts, tile_expert, align, k)
