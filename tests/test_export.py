@@ -50,7 +50,7 @@ def trained(tmp_path_factory):
 def logits(model, seed=0):
     ids = torch.randint(0, min(300, model.config.vocab_size), (2, 24), generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():
-        return model.eval()(input_ids=ids).logits
+        return model.eval()(input_ids=ids.to(model.device)).logits
 
 
 def weights_only(model):
@@ -91,6 +91,8 @@ def test_a_reloaded_fp4_export_infers_on_the_tensor_core_path(trained, tmp_path,
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "fp4")
     layers = hf_fp4.fp4_modules(model)
     want = logits(model)  # the reference backend (CPU's auto)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # where the Triton kernels run (else the interpreter)
+    model.to(dev)
     for m in layers.values():
         m.backend = "triton"
 
@@ -99,15 +101,17 @@ def test_a_reloaded_fp4_export_infers_on_the_tensor_core_path(trained, tmp_path,
 
     with monkeypatch.context() as patch:
         patch.setattr(autograd.FP4LinearFunction, "apply", refuse)
-        got = logits(model)
+        got = logits(model).cpu()
         layer = model.model.layers[0].mlp.up_proj
         x = torch.randn(2, 5, layer.in_features, generator=torch.Generator().manual_seed(1)) * 3
         with torch.no_grad():
-            y = layer(x)
+            y = layer(x.to(dev)).cpu()
     assert (got - want).norm() / want.norm() < 1e-2
+    sign = layer._fixed_signs["fprop"]
     xq = reference_operand(x.reshape(-1, x.shape[-1]), layer._plans["reference"].x[0], 0,
-                           layer._fixed_signs["fprop"]).data
-    assert_within_accumulation_error(y.reshape(-1, y.shape[-1]), xq, layer.weight[:, :xq.shape[1]], recipe)
+                           sign.cpu() if sign is not None else None).data
+    w = layer.weight[:, :xq.shape[1]].cpu()
+    assert_within_accumulation_error(y.reshape(-1, y.shape[-1]), xq, w, recipe)
     assert layer.recipe.fprop.hadamard.enabled == (recipe == "ufp4")
 
 
