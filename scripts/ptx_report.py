@@ -1,25 +1,40 @@
 #!/usr/bin/env python
-"""What the operand kernel compiles to for Hopper, read on the CPU (no device time): per variant, the tile, the
-shared memory, the barriers and the width of every global / shared load and store in the PTX.
+"""What the operand and stats kernels compile to for Hopper, read on the CPU (no device time): per variant, the
+tile, the TTGIR layout conversions (each a round trip through shared memory), the shared memory, the barriers,
+the registers and stack of the sm_90 cubin, and the width of every global / shared load and store in the PTX.
 
-    TRITON_DEFAULT_FP_FUSION=1 python scripts/ptx_report.py [--out DIR]   (without TRITON_INTERPRET)
+    python scripts/ptx_report.py [--out DIR] [--only SUBSTRING ...]   (without TRITON_INTERPRET)
 
 The launch is specialised as the GPU's JIT specialises a contiguous 8192 x 8192 call (the column stride a
-constant 1, pointers and sizes divisible by 16), so the access widths are the ones the GPU runs.  Measured
-here on 2026-12-02 (Triton 3.9): every variant loads and stores global memory 16 bytes per access
-(ld/st.global.v4.32); the dual-orientation FP8 variant (x: fprop and wgrad operands) spends 37 barriers and
-byte-wide shared-memory stores on its layout conversions -- where to point ncu first.
+constant 1, pointers and sizes divisible by 16), so the access widths are the ones the GPU runs.  The GPU image
+runs Triton 3.6: put a Triton 3.6 install first on PYTHONPATH to read its code (the numbers differ from 3.9's).
+Measured here on 2026-12-04 with Triton 3.6: the stats pass of NVFP4's x / dy (tensor amax both ways, RHT-16 on
+the wgrad orientation) went from 6 conversions, 16 KiB of shared memory and 128 registers to none, 2 KiB and 75
+once the rotation runs across row tiles (kernels/src/operand._stats_across).
 """
 import argparse
 import collections
+import os
 import re
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
+import triton
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from hopper_compile import OPERAND_CASES, compile_for_hopper, operand_kernel_args  # noqa: E402
+from hopper_compile import (OPERAND_CASES, compile_for_hopper, operand_kernel_args, operand_plan,  # noqa: E402
+                            stats_kernel_args)
 
 from hf_fp4.kernels import operand as K  # noqa: E402
+
+#: Pairs beyond hopper_compile's: x of mxfp4_dh (H-32 on wgrad), x of ufp4 (RHT-16 both ways), NVFP4's wgrad alone.
+EXTRA_CASES = {
+    "mxfp4_dh-both-fp8-h32": (operand_plan("mxfp4", "fp8"), operand_plan("mxfp4", "fp8", 32)),
+    "ufp4-both-bf16-rht16": (operand_plan("ufp4", "bf16", 16, True), operand_plan("ufp4", "bf16", 16, True, True)),
+    "nvfp4-cols-bf16-rht16": (None, operand_plan("nvfp4", "bf16", 16, True)),
+}
 
 
 def accesses(ptx: str) -> dict[str, int]:
@@ -30,23 +45,48 @@ def accesses(ptx: str) -> dict[str, int]:
     return dict(sorted(count.items()))
 
 
+def resources(cubin: bytes) -> tuple[str, str]:
+    """(registers, stack bytes) of a cubin, from the cuobjdump that Triton bundles."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+        out = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    regs, stack = re.search(r"REG:(\d+)", out), re.search(r"STACK:(\d+)", out)
+    return (regs.group(1) if regs else "?"), (stack.group(1) if stack else "?")
+
+
+def variants():
+    for label, (a, b) in {**OPERAND_CASES, **EXTRA_CASES}.items():
+        yield f"operand {label}", K._operand_kernel, *operand_kernel_args(a, b)
+        if any(p is not None and p.stat for p in (a, b)):
+            yield f"stats {label}", K._stats_kernel, *stats_kernel_args(a, b)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", help="also write each variant's PTX here")
+    parser.add_argument("--out", help="also write each variant's PTX and TTGIR here")
+    parser.add_argument("--only", nargs="*", default=None, help="variants whose label holds one of these")
     args = parser.parse_args()
-    print("| variant | tile (rows x cols, warps) | shared B | barriers | accesses |")
-    print("|---|---|---|---|---|")
-    for label, (a, b) in OPERAND_CASES.items():
-        types, constexprs, warps, divisible = operand_kernel_args(a, b)
-        compiled = compile_for_hopper(K._operand_kernel, types, constexprs, warps, divisible)
-        br, bc = constexprs["BR"], constexprs["BC"]
-        ptx = compiled.asm["ptx"]
+    print(f"Triton {triton.__version__}, sm_90")
+    print("| variant | tile (rows x cols, warps) | conversions | shared B | barriers | registers | stack | accesses |")
+    print("|---|---|---|---|---|---|---|---|")
+    for label, kernel, types, constexprs, warps, divisible in variants():
+        if args.only and not any(o in label for o in args.only):
+            continue
+        compiled = compile_for_hopper(kernel, types, constexprs, warps, divisible)
+        ptx, ttgir = compiled.asm["ptx"], compiled.asm["ttgir"]
         if args.out:
             Path(args.out).mkdir(parents=True, exist_ok=True)
-            (Path(args.out) / f"{label}.ptx").write_text(ptx)
-        print(f"| {label} | {br}x{bc}, {warps} | {compiled.metadata.shared} | {len(re.findall('bar.sync', ptx))} | "
-              f"{', '.join(f'{k} {v}' for k, v in accesses(ptx).items())} |")
+            (Path(args.out) / f"{label.replace(' ', '-')}.ptx").write_text(ptx)
+            (Path(args.out) / f"{label.replace(' ', '-')}.ttgir").write_text(ttgir)
+        regs, stack = resources(compiled.asm["cubin"])
+        print(f"| {label} | {constexprs['BR']}x{constexprs['BC']}, {warps} | {ttgir.count('ttg.convert_layout')} | "
+              f"{compiled.metadata.shared} | {len(re.findall('bar.sync', ptx))} | {regs} | {stack} | "
+              f"{', '.join(f'{k} {v}' for k, v in accesses(ptx).items())} |", flush=True)
 
 
 if __name__ == "__main__":
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise SystemExit("ptx_report.py compiles for sm_90: run it without TRITON_INTERPRET")
     main()

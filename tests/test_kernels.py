@@ -556,12 +556,15 @@ def test_bf16_bits_keeps_nan_whatever_its_payload():
     assert torch.isnan(gemm_kernels.scale_output(nan.reshape(4, 6), one, one, torch.bfloat16)).all()
 
 
-@pytest.mark.parametrize("name,form,h", [("nvfp4", "bf16", 0), ("ufp4", "bf16", 16), ("mxfp4", "fp8", 0),
-                                         ("mxfp4", "fp8", 16), ("nvfp4_2d", "bf16", 0)])
+@pytest.mark.parametrize("name,form,h,h_a", [("nvfp4", "bf16", 0, 0), ("ufp4", "bf16", 16, 16), ("mxfp4", "fp8", 0, 0),
+                                              ("mxfp4", "fp8", 16, 16), ("nvfp4_2d", "bf16", 0, 0),
+                                              ("nvfp4", "bf16", 16, 0), ("nvfp4", "bf16", 32, 0)])
 @pytest.mark.parametrize("rows", [256, 200])  # whole walks, and a last walk past the tensor's rows
-def test_stats_pass_walking_several_row_tiles_matches_reference(monkeypatch, name, form, h, rows):
+def test_stats_pass_walking_several_row_tiles_matches_reference(monkeypatch, name, form, h, h_a, rows):
     """The stats pass's programs walk up to 8 row tiles each, keeping the tensor amax and the per-column amax
-    in registers (kernels/src/operand._stats_steps): forced here at a small size, the operands stay the reference's."""
+    in registers (kernels/src/operand._stats_steps): forced here at a small size, the operands stay the reference's.
+    h: B's Hadamard, h_a: A's (B rotated and A plain, as NVFP4's x and dy: the stats pass's row-tile tuples,
+    _stats_across)."""
     from hf_fp4.kernels import operand as operand_kernels
 
     monkeypatch.setattr(operand_kernels, "STATS_PROGRAMS", 1)
@@ -569,6 +572,6 @@ def test_stats_pass_walking_several_row_tiles_matches_reference(monkeypatch, nam
     t = wide(rows, 96, seed=rows + h)
     t[rows // 2 + 3, 9] = 2e5  # the tensor amax sits in a later row tile of its program's walk
     spec = QuantSpec.preset(name)
-    signs = (seeded_signs(h, 5), seeded_signs(h, 6)) if h else (None, None)
-    plans = (plan_for(spec, form, h, h > 0), plan_for(spec, form, h, h > 0))
+    signs = (seeded_signs(h_a, 5) if h_a else None, seeded_signs(h, 6) if h else None)
+    plans = (plan_for(spec, form, h_a, h_a > 0), plan_for(spec, form, h, h > 0))
     assert_operands_exact(t, plans, torch.tensor([3, 4], device=DEV), signs)

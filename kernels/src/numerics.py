@@ -173,6 +173,50 @@ def hadamard(x, signs_ptr, BM: tl.constexpr, BK: tl.constexpr, H: tl.constexpr, 
 
 
 @triton.jit
+def _butterfly_across(xs, S: tl.constexpr, H: tl.constexpr):
+    """butterfly()'s stage of stride S across a tuple: element i of every block is the tile xs[i]; each pair
+    (xs[i], xs[i + S]) with bit S of i clear -> (sum, difference), at the same indices."""
+    out = ()
+    for i in tl.static_range(H):
+        if (i // S) % 2 == 0:
+            out = out + (xs[i] + xs[i + S],)
+        else:
+            out = out + (xs[i - S] - xs[i],)
+    return out
+
+
+@triton.jit
+def hadamard_across(xs, signs_ptr, H: tl.constexpr, HSCALE: tl.constexpr, HAS_SIGNS: tl.constexpr):
+    """hadamard() along a dimension that is spread over a tuple of H equal tiles instead of lying inside one
+    tile: xs[i] holds element i of every block (e.g. rows r0 + g * H + i of t, for the orientation whose blocks
+    run along t's rows).  The same FP32 operations in the same order as hadamard() (signs, butterflies of
+    stride 1 .. H/2, one scale), so the results are bit-identical -- but elementwise between tiles of one
+    register layout: no transpose, and no data exchanged between threads (on sm_90 each butterfly stage of
+    hadamard() on a transposed tile is a layout conversion through shared memory)."""
+    if HAS_SIGNS:
+        signed = ()
+        for i in tl.static_range(H):
+            signed = signed + (xs[i] * tl.load(signs_ptr + i),)
+        xs = signed
+    xs = _butterfly_across(xs, 1, H)
+    xs = _butterfly_across(xs, 2, H)
+    xs = _butterfly_across(xs, 4, H)
+    xs = _butterfly_across(xs, 8, H)
+    if H > 16:
+        xs = _butterfly_across(xs, 16, H)
+    if H > 32:
+        xs = _butterfly_across(xs, 32, H)
+    if H > 64:
+        xs = _butterfly_across(xs, 64, H)
+    if H > 128:
+        xs = _butterfly_across(xs, 128, H)
+    out = ()
+    for i in tl.static_range(H):
+        out = out + (flush_subnormals(xs[i] * HSCALE),)
+    return out
+
+
+@triton.jit
 def flush_subnormals(x):
     """hf_fp4.numerics.formats.flush_subnormals: |x| < 2^-126 -> +0 (NaN, inf kept)."""
     return tl.where(tl.abs(x) < FLT_MIN, 0.0, x)

@@ -35,8 +35,8 @@ from hf_fp4.numerics.operand_plan import Operand, OperandPlan, empty_operand, fp
 from hf_fp4.numerics.spec import Rounding
 
 from .launch import launcher
-from .numerics import (block_max, encode_factor, e8m0_exponent, expand_blocks, grid_constants, hadamard, pow2,
-                       round_grid, sr_uniforms, tensor_encode_scale, ue4m3_block_scale)
+from .numerics import (block_max, encode_factor, e8m0_exponent, expand_blocks, grid_constants, hadamard,
+                       hadamard_across, pow2, round_grid, sr_uniforms, tensor_encode_scale, ue4m3_block_scale)
 from .quant import SCALE_CODES, load_tile
 
 
@@ -58,8 +58,63 @@ def _stats_kernel(t_ptr, R, C, s_r, s_c, mu_ptr, a_stat, a_signs, b_stat, b_sign
     registers, reduced across threads and sent to memory (one atomic) once at the end: on the H200 the
     per-tile reductions (through shared memory) held this pass to 30% of DRAM bandwidth (ncu, session 9).
     A's per-row amax (STAT 1) is reduced per tile, along the tile's rows.  An orientation without a Hadamard
-    reads the tile where it lies (no transpose)."""
+    reads the tile where it lies (no transpose); a B with a Hadamard of up to ACROSS_MAX beside an A that needs
+    at most its plain tensor amax reads it as B_H row tiles (_stats_across): no transpose either."""
     cols = tl.program_id(1) * BC + tl.arange(0, BC)
+    if B_STAT > 0 and B_H > 0 and B_H <= ACROSS_MAX and A_H == 0 and A_STAT != 1:
+        _stats_across(t_ptr, R, C, s_r, s_c, mu_ptr, a_stat, b_stat, b_signs, cols, BR, BC, STEPS, HAS_MU, EVEN,
+                      A_STAT, B_STAT, B_H, B_HSCALE, B_SIGNS)
+    else:
+        _stats_tiles(t_ptr, R, C, s_r, s_c, mu_ptr, a_stat, a_signs, b_stat, b_signs, cols, BR, BC, STEPS, HAS_MU,
+                     EVEN, A_STAT, A_H, A_HSCALE, A_SIGNS, B_STAT, B_H, B_HSCALE, B_SIGNS)
+
+
+#: The largest Hadamard of B (blocks along t's rows) that the stats pass computes across row tiles: a program
+#: holds that many row tiles at once.
+ACROSS_MAX = tl.constexpr(32)
+
+
+@triton.jit
+def _stats_across(t_ptr, R, C, s_r, s_c, mu_ptr, a_stat, b_stat, b_signs, cols,
+                  BR: tl.constexpr, BC: tl.constexpr, STEPS: tl.constexpr, HAS_MU: tl.constexpr, EVEN: tl.constexpr,
+                  A_STAT: tl.constexpr, B_STAT: tl.constexpr, B_H: tl.constexpr, B_HSCALE: tl.constexpr,
+                  B_SIGNS: tl.constexpr):
+    """The stats pass when B has a Hadamard and A needs at most its plain tensor amax (NVFP4's x and dy: RHT-16
+    on the wgrad orientation only): each row tile is read as B_H tiles of BR / B_H rows, xs[i] = rows
+    r0 + g * B_H + i, so that B's rotation (along t's rows) is elementwise between them (hadamard_across).
+    On sm_90 (tests/hopper_compile.py, Triton 3.6) the transpose and butterfly stages of _stats_tiles were six
+    layout conversions through 16 KiB of shared memory at 128 registers; this is none, 2 KiB, 75 registers.
+    (A with a Hadamard or per-row statistics would need a reduction per row tile of the B_H: more shared-memory
+    rounds than it saves -- those pairs stay on _stats_tiles.)"""
+    G: tl.constexpr = BR // B_H
+    g = tl.arange(0, G)
+    plain = tl.zeros([G, BC], dtype=tl.float32)  # |t| for A's tensor amax, elementwise
+    b_acc = tl.zeros([G, BC], dtype=tl.float32)  # |B's rotated values|, elementwise (t's columns are B's rows)
+    for step in range(STEPS):
+        row0 = (tl.program_id(0) * STEPS + step) * BR
+        xs = ()
+        for i in tl.static_range(B_H):
+            xs = xs + (load_tile(t_ptr, row0 + g * B_H + i, cols, R, C, s_r, s_c, mu_ptr, HAS_MU, EVEN),)
+        ys = hadamard_across(xs, b_signs, B_H, B_HSCALE, B_SIGNS)
+        for i in tl.static_range(B_H):
+            b_acc = tl.maximum(b_acc, _finite_abs(ys[i]))
+            if A_STAT == 2:
+                plain = tl.maximum(plain, _finite_abs(xs[i]))
+    if A_STAT == 2:
+        tl.atomic_max(a_stat, tl.max(tl.max(plain, axis=1), axis=0))
+    b = tl.max(b_acc, axis=0)
+    if B_STAT == 2:
+        tl.atomic_max(b_stat, tl.max(b, axis=0))
+    else:
+        tl.atomic_max(b_stat + cols, b, mask=cols < C)
+
+
+@triton.jit
+def _stats_tiles(t_ptr, R, C, s_r, s_c, mu_ptr, a_stat, a_signs, b_stat, b_signs, cols,
+                 BR: tl.constexpr, BC: tl.constexpr, STEPS: tl.constexpr, HAS_MU: tl.constexpr, EVEN: tl.constexpr,
+                 A_STAT: tl.constexpr, A_H: tl.constexpr, A_HSCALE: tl.constexpr, A_SIGNS: tl.constexpr,
+                 B_STAT: tl.constexpr, B_H: tl.constexpr, B_HSCALE: tl.constexpr, B_SIGNS: tl.constexpr):
+    """The stats pass on whole row tiles (B without a Hadamard, or with one above ACROSS_MAX)."""
     plain = tl.zeros([BR, BC], dtype=tl.float32)  # |t|, elementwise: A's tensor amax, B's amaxes (no Hadamard)
     a_rot = tl.zeros([BR], dtype=tl.float32)      # A's rotated rows (tensor amax): reduced per tile
     b_rot = tl.zeros([BC], dtype=tl.float32)      # B's rotated rows: reduced per tile
