@@ -8,9 +8,11 @@ the registers and stack of the sm_90 cubin, and the width of every global / shar
 The launch is specialised as the GPU's JIT specialises a contiguous 8192 x 8192 call (the column stride a
 constant 1, pointers and sizes divisible by 16), so the access widths are the ones the GPU runs.  The GPU image
 runs Triton 3.6: put a Triton 3.6 install first on PYTHONPATH to read its code (the numbers differ from 3.9's).
-Measured here on 2026-12-04 with Triton 3.6: the stats pass of NVFP4's x / dy (tensor amax both ways, RHT-16 on
-the wgrad orientation) went from 6 conversions, 16 KiB of shared memory and 128 registers to none, 2 KiB and 75
-once the rotation runs across row tiles (kernels/src/operand._stats_across).
+Measured here on 2026-12-04 with Triton 3.6, once B's rotation runs across row tiles (kernels/src/operand.py:
+_stats_across, _emit_across): the stats pass of NVFP4's x / dy (tensor amax both ways, RHT-16 on the wgrad
+orientation) went from 6 conversions, 16 KiB of shared memory and 128 registers to none, 2 KiB and 75; the operand
+pass of NVFP4's x from 5 conversions and 11 barriers to 1 and 1; mxfp4_dh's x (H-32) from 21 conversions, 41
+barriers and an 8-byte stack to 11, 25 and none.
 """
 import argparse
 import collections
@@ -29,9 +31,8 @@ from hopper_compile import (OPERAND_CASES, compile_for_hopper, operand_kernel_ar
 
 from hf_fp4.kernels import operand as K  # noqa: E402
 
-#: Pairs beyond hopper_compile's: x of mxfp4_dh (H-32 on wgrad), x of ufp4 (RHT-16 both ways), NVFP4's wgrad alone.
+#: Pairs beyond hopper_compile's: x of ufp4 (RHT-16 both ways), NVFP4's wgrad operand alone.
 EXTRA_CASES = {
-    "mxfp4_dh-both-fp8-h32": (operand_plan("mxfp4", "fp8"), operand_plan("mxfp4", "fp8", 32)),
     "ufp4-both-bf16-rht16": (operand_plan("ufp4", "bf16", 16, True), operand_plan("ufp4", "bf16", 16, True, True)),
     "nvfp4-cols-bf16-rht16": (None, operand_plan("nvfp4", "bf16", 16, True)),
 }

@@ -49,6 +49,9 @@ OPERAND_CASES = {
     "nvfp4-rows-bf16": (operand_plan("nvfp4", "bf16"), None),
     "nvfp4-cols-bf16": (None, operand_plan("nvfp4", "bf16")),
     "nvfp4-both-bf16-sr-rht16": (operand_plan("nvfp4", "bf16"), operand_plan("nvfp4", "bf16", 16, True, True)),
+    # B across row tiles (operand._emit_across / _stats_across): nvfp4's x, mxfp4_dh's x
+    "nvfp4-both-bf16-rht16": (operand_plan("nvfp4", "bf16"), operand_plan("nvfp4", "bf16", 16, True)),
+    "mxfp4-both-fp8-h32": (operand_plan("mxfp4", "fp8"), operand_plan("mxfp4", "fp8", 32)),
 }
 SIZES = ("R", "C", "s_r", "a_rows", "a_cols", "b_rows", "b_cols", "a_kp", "b_kp")
 
@@ -58,7 +61,7 @@ def operand_kernel_args(a: OperandPlan | None, b: OperandPlan | None):
     column stride a constant 1, as the JIT specialises it)."""
     (br, bc, warps, *reload), _, consts, _ = operand._launch_config((a, b), None)
     constexprs = dict(BR=br, BC=bc, HAS_MU=False, EVEN=True, INTERPRETED=False, RELOAD=bool(reload and reload[0]),
-                      s_c=1, **consts)
+                      ACROSS=operand.across(b), s_c=1, **consts)
     types = {"t_ptr": "*bf16", "mu_ptr": "*fp32"}
     for prefix, p in (("a_", a), ("b_", b)):
         fp8 = p is not None and p.form == "fp8"

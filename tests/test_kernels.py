@@ -161,7 +161,7 @@ def operand_cases():
         if spec.scale.value == "fp32":
             continue  # research-only scales run on the reference backend
         for form in ["bf16"] + (["fp8"] if fp8_capable(spec) else []):
-            for h in ([0, 16, 64] if spec.block[0] == 1 else [0]):
+            for h in ([0, 16, 32, 64] if spec.block[0] == 1 else [0]):  # 16 / 32 = a 1 x 16 / 32 block: _emit_across
                 cases.append((spec, form, h))
     return cases
 
@@ -194,10 +194,11 @@ def test_operand_kernel_both_orientations_match_reference(spec, form, h):
 
 
 @pytest.mark.parametrize("spec,h", [(s, h) for s in operand_specs() if fp8_capable(s)
-                                     for h in ([0, 256] if s.block[0] == 1 else [0])], ids=str)
+                                     for h in ([0, 32, 256] if s.block[0] == 1 else [0])], ids=str)
 def test_fp8_operands_of_widely_spread_rows_and_columns_are_exact(spec, h):
     """FP8 operands whose rows and columns lie up to 2^36 apart (values over E4M3's whole range), both
-    orientations, with and without a 256 Hadamard: every value is the reference's, and the GEMM of the pair
+    orientations, with and without a 32 / 256 Hadamard (32: B made across row tiles, lost blocks included): every
+    value is the reference's, and the GEMM of the pair
     is within FP32 accumulation error under the interpreter (an FP32 matmul); on the GPU (cuBLAS's row-scaled
     FP8 GEMM plus the correction) within the FP8 MMA's 14-bit accumulation (tests/exactness.py: the FP32
     bound is exceeded up to 5.6x there; the BF16 form below meets it)."""
@@ -215,6 +216,21 @@ def test_fp8_operands_of_widely_spread_rows_and_columns_are_exact(spec, h):
     bits = FP8_MMA_BITS if CUDA else FP32_BITS
     assert_within_accumulation_error(gemm(oa, oa, plans, 208, 208, torch.float32), ra, ra, str(spec), bits)
     assert_within_accumulation_error(gemm(ob, ob, plans, 328, 328, torch.float32), rb, rb, str(spec), bits)
+
+
+@pytest.mark.parametrize("h", [0, 32])
+def test_fp8_wgrad_operand_blocks_far_below_their_row_are_recorded_exactly(h):
+    """B (blocks along t's rows: a wgrad operand) of a t whose 32-row groups lie 2^20 apart: every other group's
+    blocks fall more than 14 binades below their row's largest, so their exact values go to the side buffer
+    (flags, block exponents) -- the lost-block path, which spread rows and columns alone do not reach. With a
+    32 Hadamard B is made across row tiles (kernels/src/operand._emit_across). Every value is the reference's."""
+    g = torch.Generator().manual_seed(3)
+    t = torch.randn(192, 96, generator=g) * torch.exp2(-20.0 * (torch.arange(192) // 32 % 2)).unsqueeze(1)
+    signs = (None, seeded_signs(h, 6) if h else None)
+    spec = QuantSpec.preset("mxfp4")
+    plans = (plan_for(spec, "fp8", 0, False), plan_for(spec, "fp8", h, h > 0))
+    _, ob = assert_operands_exact(t.to(DEV), plans, torch.tensor([3, 4], device=DEV), signs)
+    assert int(ob.flags[-1]) == 1 and int((ob.eb > -128).sum()) > 0  # the lost path ran
 
 
 @pytest.mark.parametrize("spec", [s for s in operand_specs() if fp8_capable(s)], ids=str)
@@ -283,15 +299,20 @@ def test_operand_kernel_reads_an_nd_tensor_as_its_flattened_matrix():
                                    y.view(torch.uint8) if y.dtype.itemsize == 1 else y)
 
 
-def test_operand_kernel_nan_blocks_become_nan():
+@pytest.mark.parametrize("name,h", [("nvfp4", 0), ("mxfp4", 0), ("nvfp4", 16), ("mxfp4", 32)])
+def test_operand_kernel_nan_blocks_become_nan(name, h):
+    """A NaN makes its block NaN in both orientations (h: B's Hadamard, the size of its block -- B made across
+    row tiles -- so the NaN spreads over the rotated block, no further)."""
     t = wide(32, 64, seed=8)
     t[3, 5] = math.nan
-    for name in ("nvfp4", "mxfp4"):
-        spec = dataclasses.replace(QuantSpec.preset(name), nonfinite="propagate")
-        form = "fp8" if fp8_capable(spec) else "bf16"
-        plans = (plan_for(spec, form, 0, False), plan_for(spec, form, 0, False))
-        ops = assert_operands_exact(t, plans, torch.tensor([1, 2], device=DEV), (None, None))
-        assert torch.isnan(operand_values(ops[0], plans[0], 32, 64)[3]).sum() == spec.block[1]
+    spec = dataclasses.replace(QuantSpec.preset(name), nonfinite="propagate")
+    form = "fp8" if fp8_capable(spec) else "bf16"
+    plans = (plan_for(spec, form, 0, False), plan_for(spec, form, h, h > 0))
+    signs = (None, seeded_signs(h, 6) if h else None)
+    ops = assert_operands_exact(t, plans, torch.tensor([1, 2], device=DEV), signs)
+    assert torch.isnan(operand_values(ops[0], plans[0], 32, 64)[3]).sum() == spec.block[1]
+    assert torch.isnan(operand_values(ops[1], plans[1], 64, 32)[5]).sum() == spec.block[1]
+    assert torch.isnan(operand_values(ops[1], plans[1], 64, 32)).sum() == spec.block[1]
 
 
 def _spread_case(m, n, k, seed):

@@ -71,7 +71,8 @@ def _stats_kernel(t_ptr, R, C, s_r, s_c, mu_ptr, a_stat, a_signs, b_stat, b_sign
 
 #: The largest Hadamard of B (blocks along t's rows) that the stats pass computes across row tiles: a program
 #: holds that many row tiles at once.
-ACROSS_MAX = tl.constexpr(32)
+ACROSS_MAX_H = 32
+ACROSS_MAX = tl.constexpr(ACROSS_MAX_H)
 
 
 @triton.jit
@@ -146,6 +147,53 @@ def _stats_tiles(t_ptr, R, C, s_r, s_c, mu_ptr, a_stat, a_signs, b_stat, b_signs
 
 
 @triton.jit
+def _block_scales(amax, e_ref, stat_ptr, SCALE: tl.constexpr, QMAX: tl.constexpr, QM: tl.constexpr,
+                  QE: tl.constexpr, EMAX: tl.constexpr, FP8: tl.constexpr, SHIFT: tl.constexpr, DMAX: tl.constexpr):
+    """Per block of an operand, from its amax (any shape; e_ref: the FP8 form's reference exponent of each
+    block's rows, broadcast to amax's shape): (encode factor, block factor -- the value a grid point is multiplied
+    by, NaN for a block holding a NaN / Inf --, lost -- FP8: more than DMAX binades below e_ref --, the E8M0
+    exponent, the FP32 tensor decode scale: 1 for E8M0)."""
+    bad = ~(amax <= 3.4028234663852886e38)
+    lost = amax < 0  # nothing, unless FP8 below
+    if SCALE == 0 or SCALE == 1:  # E8M0 (floor or ceil)
+        e = e8m0_exponent(amax, SCALE == 1, QM, QE, EMAX)
+        encode = pow2(-e)
+        s_dec = 1.0
+        if FP8:  # folded into E4M3 against the reference exponent of the block's rows
+            lost = (amax > 0) & (e_ref - e > DMAX) & ~bad
+            factor = tl.where(lost, 0.0, pow2(tl.maximum(e - e_ref + SHIFT, -149)))
+        else:
+            factor = pow2(e)
+    else:  # UE4M3 block scale + FP32 tensor scale
+        e = tl.zeros(amax.shape, dtype=tl.int32)
+        s_enc = tensor_encode_scale(tl.load(stat_ptr), QMAX)
+        s_dec = tl.math.div_rn(1.0, s_enc)
+        factor = ue4m3_block_scale(amax, s_enc, QMAX)
+        encode = tl.where(factor > 0, encode_factor(factor * s_dec), 0.0)
+    return encode, tl.where(bad, float("nan"), factor), lost, e, s_dec
+
+
+@triton.jit
+def _round_values(x, encode, factor, u, GRID: tl.constexpr, SR: tl.constexpr):
+    """Per element: (signed grid value, operand value = grid value x block factor); encode / factor per element
+    (expanded from the blocks), u: SR's uniforms (ignored for round to nearest)."""
+    scaled = x * encode
+    m = tl.abs(scaled)
+    q = round_grid(m, u if SR else m, GRID, SR)
+    q = tl.where(scaled < 0, -q, q)
+    return q, q * factor
+
+
+@triton.jit
+def _store_fp8(out_ptr, offs, val, inside, INTERPRETED: tl.constexpr):
+    """E4M3 values as bits (the interpreter's conversion drops NaN: its code written explicitly)."""
+    bits = val.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    if INTERPRETED:
+        bits = tl.where(val != val, 0x7F, bits)  # E4M3 NaN
+    tl.store(out_ptr + offs, bits, mask=inside)
+
+
+@triton.jit
 def _emit(x, rows, cols, col0, first_tile, out_ptr, n_rows, n_cols, stat_ptr, scale_ptr, seed_ptr,
           signs_ptr, side_ptr, eb_ptr, flag_ptr, KP,
           BM: tl.constexpr, BK: tl.constexpr, BLR: tl.constexpr, BLC: tl.constexpr, GRID: tl.constexpr,
@@ -164,50 +212,33 @@ def _emit(x, rows, cols, col0, first_tile, out_ptr, n_rows, n_cols, stat_ptr, sc
     if INTERPRETED:  # the interpreter's max drops NaN, as PTX's does: map NaN to Inf first
         a = tl.where(a == a, a, float("inf"))
     amax = block_max(a, BM, BK, BLR, BLC, not INTERPRETED)  # [BM // BLR, BK // BLC]; NaN/Inf: non-finite
-    bad = ~(amax <= 3.4028234663852886e38)
     NBM: tl.constexpr = BM // BLR
     NBK: tl.constexpr = BK // BLC
-    if SCALE == 0 or SCALE == 1:  # E8M0 (floor or ceil)
-        e = e8m0_exponent(amax, SCALE == 1, QM, QE, EMAX)
-        encode = pow2(-e)
-        if FP8:  # reference exponent: the largest block of the block's rows, from the stats pass
-            row_amax = tl.load(stat_ptr + rows, mask=rows < n_rows, other=0.0)
-            e_ref = e8m0_exponent(tl.max(tl.reshape(row_amax, [NBM, BLR]), axis=1), SCALE == 1, QM, QE, EMAX)
-            lost = (amax > 0) & (e_ref[:, None] - e > DMAX) & ~bad
-            factor = tl.where(lost, 0.0, pow2(tl.maximum(e - e_ref[:, None] + SHIFT, -149)))
-            if col0 == 0:  # the row scale, written by the row's first tile
-                e_rows = tl.reshape(tl.broadcast_to(e_ref[:, None], [NBM, BLR]), [BM])
-                tl.store(scale_ptr + rows, pow2(e_rows - SHIFT), mask=rows < n_rows)
-        else:
-            factor = pow2(e)
-    else:  # UE4M3 block scale + FP32 tensor scale
-        s_enc = tensor_encode_scale(tl.load(stat_ptr), QMAX)
-        s_dec = tl.math.div_rn(1.0, s_enc)
-        factor = ue4m3_block_scale(amax, s_enc, QMAX)
-        decode = factor * s_dec
-        encode = tl.where(factor > 0, encode_factor(decode), 0.0)
-        if first_tile:
-            tl.store(scale_ptr, s_dec)
-    factor = tl.where(bad, float("nan"), factor)
-    scaled = x * expand_blocks(encode, BM, BK, BLR, BLC)
-    m = tl.abs(scaled)
+    e_ref = amax  # (unused but by the FP8 form)
+    if FP8:  # reference exponent: the largest block of the block's rows, from the stats pass
+        row_amax = tl.load(stat_ptr + rows, mask=rows < n_rows, other=0.0)
+        e_rows = e8m0_exponent(tl.max(tl.reshape(row_amax, [NBM, BLR]), axis=1), SCALE == 1, QM, QE, EMAX)
+        e_ref = tl.broadcast_to(e_rows[:, None], [NBM, NBK])
+        if col0 == 0:  # the row scale, written by the row's first tile
+            e_each = tl.reshape(tl.broadcast_to(e_rows[:, None], [NBM, BLR]), [BM])
+            tl.store(scale_ptr + rows, pow2(e_each - SHIFT), mask=rows < n_rows)
+    encode, factor, lost, e, s_dec = _block_scales(amax, e_ref, stat_ptr, SCALE, QMAX, QM, QE, EMAX, FP8, SHIFT,
+                                                   DMAX)
+    if SCALE >= 2 and first_tile:  # two-level: the tensor decode scale
+        tl.store(scale_ptr, s_dec)
     if SR:
         u = sr_uniforms(tl.load(seed_ptr), rows, col0, KP, BM, BK)
     else:
-        u = m
-    q = round_grid(m, u, GRID, SR)
-    q = tl.where(scaled < 0, -q, q)
-    val = q * expand_blocks(factor, BM, BK, BLR, BLC)
+        u = x
+    q, val = _round_values(x, expand_blocks(encode, BM, BK, BLR, BLC), expand_blocks(factor, BM, BK, BLR, BLC), u,
+                           GRID, SR)
     offs = rows[:, None].to(tl.int64) * n_cols + cols[None, :]
     if EVEN:
         inside = None
     else:
         inside = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
     if FP8:
-        bits = val.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-        if INTERPRETED:
-            bits = tl.where(val != val, 0x7F, bits)  # E4M3 NaN
-        tl.store(out_ptr + offs, bits, mask=inside)
+        _store_fp8(out_ptr, offs, val, inside, INTERPRETED)
         if tl.max(tl.max(lost.to(tl.int32), axis=1), axis=0) > 0:  # rare: record the lost blocks exactly
             lost_el = expand_blocks(lost.to(tl.int32), BM, BK, BLR, BLC) > 0
             tl.store(side_ptr + offs, (q * (1 << SHIFT)).to(tl.float8e4nv).to(tl.uint8, bitcast=True),
@@ -226,11 +257,97 @@ def _emit(x, rows, cols, col0, first_tile, out_ptr, n_rows, n_cols, stat_ptr, sc
 
 
 @triton.jit
+def _join_halves(vs, N: tl.constexpr):
+    """(join(vs[j], vs[j + N / 2]) for j < N / 2): one level of _interleave."""
+    out = ()
+    for j in tl.static_range(N // 2):
+        out = out + (tl.join(vs[j], vs[j + N // 2]),)
+    return out
+
+
+@triton.jit
+def _interleave(vs, H: tl.constexpr, G: tl.constexpr, BC: tl.constexpr):
+    """H tiles [G, BC], vs[i][g, c] = element (g * H + i, c) of a [G * H, BC] tile -> that tile transposed,
+    [BC, G * H].  The joins stack in registers: element i's bits, most significant first, become the new
+    trailing dims, so the flat order of the last H is i (no data exchanged but by the final transpose)."""
+    vs = _join_halves(vs, H)
+    vs = _join_halves(vs, H // 2)
+    vs = _join_halves(vs, H // 4)
+    vs = _join_halves(vs, H // 8)
+    if H > 16:
+        vs = _join_halves(vs, H // 16)
+    t = tl.reshape(vs[0], [G, BC, H])
+    return tl.reshape(tl.permute(t, (1, 0, 2)), [BC, G * H])
+
+
+@triton.jit
+def _emit_across(xs, row0, cols, first_tile, out_ptr, n_rows, n_cols, stat_ptr, scale_ptr, seed_ptr, signs_ptr,
+                 side_ptr, eb_ptr, flag_ptr, KP, G: tl.constexpr, BC: tl.constexpr, H: tl.constexpr,
+                 GRID: tl.constexpr, QMAX: tl.constexpr, QM: tl.constexpr, QE: tl.constexpr, EMAX: tl.constexpr,
+                 SCALE: tl.constexpr, SR: tl.constexpr, HSCALE: tl.constexpr, HAS_SIGNS: tl.constexpr,
+                 FP8: tl.constexpr, SHIFT: tl.constexpr, DMAX: tl.constexpr, EVEN: tl.constexpr,
+                 INTERPRETED: tl.constexpr):
+    """_emit for the orientation whose blocks run along t's rows (B: rows = t's columns, 1 x H blocks along t's
+    rows, H its Hadamard), from the H row tiles xs[i] = t[row0 + g * H + i, cols] ([G, BC]): the rotation, the
+    block amax (elementwise over the tuple: a block is one (g, c)), scaling and rounding need no transpose;
+    the values are transposed once, for the store (_interleave).  Bit-identical to _emit on the transposed tile."""
+    ys = hadamard_across(xs, signs_ptr, H, HSCALE, HAS_SIGNS)
+    amax = tl.zeros([G, BC], dtype=tl.float32)
+    for i in tl.static_range(H):
+        a = tl.abs(ys[i])
+        if INTERPRETED:  # the interpreter's max drops NaN: map NaN to Inf first
+            a = tl.where(a == a, a, float("inf"))
+        amax = tl.maximum(amax, a, propagate_nan=tl.PropagateNan.ALL)
+    e_ref = amax  # (unused but by the FP8 form)
+    if FP8:  # reference exponent of each of B's rows (t's columns), from the stats pass
+        e_cols = e8m0_exponent(tl.load(stat_ptr + cols, mask=cols < n_rows, other=0.0), SCALE == 1, QM, QE, EMAX)
+        e_ref = tl.broadcast_to(e_cols[None, :], [G, BC])
+        if row0 == 0:  # the row scale, written by the row's first tile
+            tl.store(scale_ptr + cols, pow2(e_cols - SHIFT), mask=cols < n_rows)
+    encode, factor, lost, e, s_dec = _block_scales(amax, e_ref, stat_ptr, SCALE, QMAX, QM, QE, EMAX, FP8, SHIFT,
+                                                   DMAX)
+    if SCALE >= 2 and first_tile:  # two-level: the tensor decode scale
+        tl.store(scale_ptr, s_dec)
+    qs, vals = (), ()
+    for j in tl.static_range(H // 4):  # SR: element (c, r) takes word r % 4 of Philox call c * KP / 4 + r // 4
+        if SR:
+            g4 = (row0 // 4 + tl.arange(0, G) * (H // 4) + j)[:, None]
+            us = tl.rand4x(tl.load(seed_ptr), cols[None, :].to(tl.int64) * (KP // 4) + g4)
+        for w in tl.static_range(4):
+            q, v = _round_values(ys[4 * j + w], encode, factor, us[w] if SR else ys[4 * j + w], GRID, SR)
+            qs, vals = qs + (q,), vals + (v,)
+    rows = row0 + tl.arange(0, G * H)
+    offs = cols[:, None].to(tl.int64) * n_cols + rows[None, :]
+    if EVEN:
+        inside = None
+    else:
+        inside = (cols[:, None] < n_rows) & (rows[None, :] < n_cols)
+    val = _interleave(vals, H, G, BC)
+    if FP8:
+        _store_fp8(out_ptr, offs, val, inside, INTERPRETED)
+        if tl.max(tl.max(lost.to(tl.int32), axis=1), axis=0) > 0:  # rare: record the lost blocks exactly
+            lost_el = ()
+            for i in tl.static_range(H):
+                lost_el = lost_el + (lost.to(tl.int32),)
+            lost_t = _interleave(lost_el, H, G, BC) > 0
+            side = (_interleave(qs, H, G, BC) * (1 << SHIFT)).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+            tl.store(side_ptr + offs, side, mask=lost_t if EVEN else inside & lost_t)
+            blocks = (row0 // H + tl.arange(0, G))[:, None]
+            tl.store(eb_ptr + cols[None, :].to(tl.int64) * (n_cols // H) + blocks, tl.where(lost, e, -128).to(tl.int8),
+                     mask=(cols[None, :] < n_rows) & (blocks < n_cols // H))
+            col_lost = tl.max(lost.to(tl.int32), axis=0)
+            tl.store(flag_ptr + cols, col_lost.to(tl.int8), mask=(cols < n_rows) & (col_lost > 0))
+            tl.store(flag_ptr + n_rows, tl.full([], 1, tl.int8))  # "some row is flagged" (the GEMM's early exit)
+    else:
+        tl.store(out_ptr + offs, val.to(tl.bfloat16), mask=inside)
+
+
+@triton.jit
 def _operand_kernel(t_ptr, R, C, s_r, s_c, mu_ptr,
                     a_out, a_rows, a_cols, a_stat, a_scale, a_seed, a_signs, a_side, a_eb, a_flags, a_kp,
                     b_out, b_rows, b_cols, b_stat, b_scale, b_seed, b_signs, b_side, b_eb, b_flags, b_kp,
                     BR: tl.constexpr, BC: tl.constexpr, HAS_MU: tl.constexpr, EVEN: tl.constexpr,
-                    INTERPRETED: tl.constexpr, RELOAD: tl.constexpr,
+                    INTERPRETED: tl.constexpr, RELOAD: tl.constexpr, ACROSS: tl.constexpr,
                     A_ON: tl.constexpr, A_BLR: tl.constexpr, A_BLC: tl.constexpr, A_GRID: tl.constexpr,
                     A_QMAX: tl.constexpr, A_QM: tl.constexpr, A_QE: tl.constexpr, A_EMAX: tl.constexpr,
                     A_SCALE: tl.constexpr, A_SR: tl.constexpr, A_H: tl.constexpr, A_HSCALE: tl.constexpr,
@@ -242,13 +359,23 @@ def _operand_kernel(t_ptr, R, C, s_r, s_c, mu_ptr,
     pid_r, pid_c = tl.program_id(0), tl.program_id(1)
     rows = pid_r * BR + tl.arange(0, BR)
     cols = pid_c * BC + tl.arange(0, BC)
-    x = load_tile(t_ptr, rows, cols, R, C, s_r, s_c, mu_ptr, HAS_MU, EVEN)
     first = (pid_r == 0) & (pid_c == 0)
+    if A_ON or not ACROSS:
+        x = load_tile(t_ptr, rows, cols, R, C, s_r, s_c, mu_ptr, HAS_MU, EVEN)
     if A_ON:
         _emit(x, rows, cols, pid_c * BC, first, a_out, a_rows, a_cols, a_stat, a_scale, a_seed, a_signs,
               a_side, a_eb, a_flags, a_kp, BR, BC, A_BLR, A_BLC, A_GRID, A_QMAX, A_QM, A_QE, A_EMAX, A_SCALE, A_SR,
               A_H, A_HSCALE, A_SIGNS, A_FP8, A_SHIFT, A_DMAX, EVEN, INTERPRETED)
-    if B_ON:
+    if B_ON and ACROSS:  # B's Hadamard across H row tiles (a second read of the tile: L1 / L2)
+        G: tl.constexpr = BR // B_H
+        xs = ()
+        for i in tl.static_range(B_H):
+            xs = xs + (load_tile(t_ptr, pid_r * BR + tl.arange(0, G) * B_H + i, cols, R, C, s_r, s_c, mu_ptr, HAS_MU,
+                                 EVEN),)
+        _emit_across(xs, pid_r * BR, cols, first, b_out, b_rows, b_cols, b_stat, b_scale, b_seed, b_signs, b_side,
+                     b_eb, b_flags, b_kp, G, BC, B_H, B_GRID, B_QMAX, B_QM, B_QE, B_EMAX, B_SCALE, B_SR, B_HSCALE,
+                     B_SIGNS, B_FP8, B_SHIFT, B_DMAX, EVEN, INTERPRETED)
+    elif B_ON:
         if RELOAD:  # the transposed tile from a second load (an L1/L2 hit) instead of a register transpose
             xt = load_tile(t_ptr, cols, rows, C, R, s_c, s_r, mu_ptr, False, EVEN)
             if HAS_MU:
@@ -267,7 +394,11 @@ def _operand_kernel(t_ptr, R, C, s_r, s_c, mu_ptr,
 #: transpose) and both at once 32x64x2 -- wider tiles or more warps spread a block over warps.
 #: A 4th entry True (RELOAD): the transposed orientation comes from a second, swapped-stride load of the tile
 #: instead of a register transpose -- 14% faster for FP8 operand pairs (0.295 vs 0.343 ms), 4% slower for BF16.
-TILES = {"rows": (64, 128, 4), "cols": (32, 64, 2), "both": (32, 64, 2), "both_fp8": (32, 64, 2, True)}
+#: B across row tiles (across(), _emit_across): two blocks of rows a program, so each row tile has two rows (2 x
+#: 128 over 4 warps for H 16, 8 warps for H 32: 2 elements a thread and tile) -- chosen from the sm_90 code
+#: (scripts/ptx_report.py), not yet timed.
+TILES = {"rows": (64, 128, 4), "cols": (32, 64, 2), "both": (32, 64, 2), "both_fp8": (32, 64, 2, True),
+         "across_16": (32, 128, 4), "across_32": (64, 128, 8)}
 #: Largest operand tile one program makes (elements): a pair whose Hadamards need more (256 both ways: a
 #: 256 x 256 tile) is made by two launches, one per orientation -- on the H200 one 256 x 256 program of 2
 #: warps had not finished compiling after 5 minutes (session 10's GPU suite), and neither had it here.
@@ -299,6 +430,8 @@ def _launch_config(plans, tile):
     kind = "both" if a is not None and b is not None else "rows" if a is not None else "cols"
     if kind == "both" and b.form == "fp8":
         kind = "both_fp8"
+    if across(b):
+        kind = f"across_{b.hadamard}"
     tile = _fit(tile or TILES[kind], a, b)
     stats_tile = _fit(STATS_TILE, a, b)
     consts = {**_constexprs("A_", a), **_constexprs("B_", b)}
@@ -309,6 +442,17 @@ def _launch_config(plans, tile):
                            f"{prefix}HSCALE": consts[f"{prefix}HSCALE"],
                            f"{prefix}SIGNS": plan.signed if plan is not None else False})
     return tile, stats_tile, consts, stat_flags
+
+
+def across(b: OperandPlan | None) -> bool:
+    """Whether the operand kernel makes B (blocks along t's rows) across row tiles (_emit_across): a Hadamard of
+    up to ACROSS_MAX that is its block (1 x H blocks: the presets' wgrad operands), so a block is one element of
+    each row tile, rounded to nearest.  sm_90 code (Triton 3.6, scripts/ptx_report.py) of x's pair in nvfp4
+    (RHT-16 wgrad): 5 layout conversions and 11 barriers -> 1 and 1; mxfp4_dh's (H-32): 21 -> 11, no stack.
+    With stochastic rounding the Philox draws come out in a layout of their own and each is converted (NVFP4's
+    dy pair: 17 conversions against 5), so SR operands keep the register transpose."""
+    return (b is not None and 0 < b.hadamard <= ACROSS_MAX_H and tuple(b.spec.block) == (1, b.hadamard)
+            and b.spec.rounding is not Rounding.STOCHASTIC)
 
 
 def _fit(tile, a: OperandPlan | None, b: OperandPlan | None) -> tuple:
@@ -398,5 +542,6 @@ def triton_operands(t: torch.Tensor, plans: tuple[OperandPlan | None, OperandPla
     even = R % br == 0 and C % bc == 0 and tuple(cover) == (R, C)
     launcher(_operand_kernel)[(triton.cdiv(cover[0], br), triton.cdiv(cover[1], bc))](
         t, R, C, s_r, s_c, mu_t, *args, BR=br, BC=bc, HAS_MU=mu is not None, EVEN=even,
-        INTERPRETED=dev.type == "cpu", RELOAD=bool(reload and reload[0]), num_warps=warps, **consts)
+        INTERPRETED=dev.type == "cpu", RELOAD=bool(reload and reload[0]), ACROSS=across(plans[1]), num_warps=warps,
+        **consts)
     return ops
