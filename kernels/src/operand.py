@@ -47,6 +47,15 @@ def _finite_abs(x):
 
 
 @triton.jit
+def _max_into(ptr, value, mask=None):
+    """atomic max of finite values >= 0 (the stats pass's amaxes) into FP32 memory that starts at +0: one integer
+    max on the bits, which order as the values do -- Triton's FP32 atomic_max is two integer atomics (max and umin,
+    for either sign) -- and relaxed: the operand pass reads the result after the launch ends (sm_90 code: no
+    acq_rel fences in the walk's per-row atomics)."""
+    tl.atomic_max(ptr.to(tl.pointer_type(tl.int32)), value.to(tl.int32, bitcast=True), mask=mask, sem="relaxed")
+
+
+@triton.jit
 def _stats_kernel(t_ptr, R, C, s_r, s_c, mu_ptr, a_stat, a_signs, b_stat, b_signs,
                   BR: tl.constexpr, BC: tl.constexpr, STEPS: tl.constexpr, HAS_MU: tl.constexpr, EVEN: tl.constexpr,
                   A_STAT: tl.constexpr, A_H: tl.constexpr, A_HSCALE: tl.constexpr, A_SIGNS: tl.constexpr,
@@ -102,12 +111,12 @@ def _stats_across(t_ptr, R, C, s_r, s_c, mu_ptr, a_stat, b_stat, b_signs, cols,
             if A_STAT == 2:
                 plain = tl.maximum(plain, _finite_abs(xs[i]))
     if A_STAT == 2:
-        tl.atomic_max(a_stat, tl.max(tl.max(plain, axis=1), axis=0))
+        _max_into(a_stat, tl.max(tl.max(plain, axis=1), axis=0))
     b = tl.max(b_acc, axis=0)
     if B_STAT == 2:
-        tl.atomic_max(b_stat, tl.max(b, axis=0))
+        _max_into(b_stat, tl.max(b, axis=0))
     else:
-        tl.atomic_max(b_stat + cols, b, mask=cols < C)
+        _max_into(b_stat + cols, b, mask=cols < C)
 
 
 @triton.jit
@@ -128,22 +137,22 @@ def _stats_tiles(t_ptr, R, C, s_r, s_c, mu_ptr, a_stat, a_signs, b_stat, b_signs
         if A_STAT > 0 and A_H > 0:
             a = tl.max(_finite_abs(hadamard(x, a_signs, BR, BC, A_H, A_HSCALE, A_SIGNS)), axis=1)
             if A_STAT == 1:
-                tl.atomic_max(a_stat + rows, a, mask=rows < R)
+                _max_into(a_stat + rows, a, mask=rows < R)
             else:
                 a_rot = tl.maximum(a_rot, a)
         elif A_STAT == 1:
-            tl.atomic_max(a_stat + rows, tl.max(_finite_abs(x), axis=1), mask=rows < R)
+            _max_into(a_stat + rows, tl.max(_finite_abs(x), axis=1), mask=rows < R)
         if B_STAT > 0 and B_H > 0:
             b_rot = tl.maximum(b_rot, tl.max(_finite_abs(hadamard(tl.trans(x), b_signs, BC, BR, B_H, B_HSCALE,
                                                                   B_SIGNS)), axis=1))
     if A_STAT == 2:
-        tl.atomic_max(a_stat, tl.max(a_rot, axis=0) if A_H > 0 else tl.max(tl.max(plain, axis=1), axis=0))
+        _max_into(a_stat, tl.max(a_rot, axis=0) if A_H > 0 else tl.max(tl.max(plain, axis=1), axis=0))
     if B_STAT > 0:
         b = b_rot if B_H > 0 else tl.max(plain, axis=0)
         if B_STAT == 2:
-            tl.atomic_max(b_stat, tl.max(b, axis=0))
+            _max_into(b_stat, tl.max(b, axis=0))
         else:
-            tl.atomic_max(b_stat + cols, b, mask=cols < C)
+            _max_into(b_stat + cols, b, mask=cols < C)
 
 
 @triton.jit
