@@ -299,18 +299,21 @@ def test_operand_kernel_reads_an_nd_tensor_as_its_flattened_matrix():
                                    y.view(torch.uint8) if y.dtype.itemsize == 1 else y)
 
 
-@pytest.mark.parametrize("name,h", [("nvfp4", 0), ("mxfp4", 0), ("nvfp4", 16), ("mxfp4", 32)])
-def test_operand_kernel_nan_blocks_become_nan(name, h):
+@pytest.mark.parametrize("name,h,sr", [("nvfp4", 0, False), ("mxfp4", 0, False), ("nvfp4", 16, False),
+                                       ("mxfp4", 32, False), ("nvfp4", 16, True)])
+def test_operand_kernel_nan_blocks_become_nan(name, h, sr):
     """A NaN makes its block NaN in both orientations (h: B's Hadamard, the size of its block -- B made across
-    row tiles -- so the NaN spreads over the rotated block, no further)."""
+    row tiles -- so the NaN spreads over the rotated block, no further; with SR the NaN's row tile moves its
+    block's Philox counters, kernels/src/operand._emit_across, and no other block's draws)."""
     t = wide(32, 64, seed=8)
-    t[3, 5] = math.nan
-    spec = dataclasses.replace(QuantSpec.preset(name), nonfinite="propagate")
+    t[16, 5] = math.nan  # row 16: the first row of B's second block, i = 0 of its row tiles
+    spec = dataclasses.replace(QuantSpec.preset(name), nonfinite="propagate",
+                               rounding="stochastic" if sr else "nearest")
     form = "fp8" if fp8_capable(spec) else "bf16"
     plans = (plan_for(spec, form, 0, False), plan_for(spec, form, h, h > 0))
     signs = (None, seeded_signs(h, 6) if h else None)
     ops = assert_operands_exact(t, plans, torch.tensor([1, 2], device=DEV), signs)
-    assert torch.isnan(operand_values(ops[0], plans[0], 32, 64)[3]).sum() == spec.block[1]
+    assert torch.isnan(operand_values(ops[0], plans[0], 32, 64)[16]).sum() == spec.block[1]
     assert torch.isnan(operand_values(ops[1], plans[1], 64, 32)[5]).sum() == spec.block[1]
     assert torch.isnan(operand_values(ops[1], plans[1], 64, 32)).sum() == spec.block[1]
 

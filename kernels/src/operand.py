@@ -321,7 +321,10 @@ def _emit_across(xs, row0, cols, first_tile, out_ptr, n_rows, n_cols, stat_ptr, 
     for j in tl.static_range(H // 4):  # SR: element (c, r) takes word r % 4 of Philox call c * KP / 4 + r // 4
         if SR:
             g4 = (row0 // 4 + tl.arange(0, G) * (H // 4) + j)[:, None]
-            us = tl.rand4x(tl.load(seed_ptr), cols[None, :].to(tl.int64) * (KP // 4) + g4)
+            # + 1 where xs[0] is NaN (its block is NaN whatever the draws): keeps the counters in the values'
+            # layout -- from the aranges alone sm_90 code drew in a layout of its own and converted every draw
+            nan = (xs[0] != xs[0]).to(tl.int64)
+            us = tl.rand4x(tl.load(seed_ptr), cols[None, :].to(tl.int64) * (KP // 4) + g4 + nan)
         for w in tl.static_range(4):
             q, v = _round_values(ys[4 * j + w], encode, factor, us[w] if SR else ys[4 * j + w], GRID, SR)
             qs, vals = qs + (q,), vals + (v,)
@@ -456,12 +459,10 @@ def _launch_config(plans, tile):
 def across(b: OperandPlan | None) -> bool:
     """Whether the operand kernel makes B (blocks along t's rows) across row tiles (_emit_across): a Hadamard of
     up to ACROSS_MAX that is its block (1 x H blocks: the presets' wgrad operands), so a block is one element of
-    each row tile, rounded to nearest.  sm_90 code (Triton 3.6, scripts/ptx_report.py) of x's pair in nvfp4
-    (RHT-16 wgrad): 5 layout conversions and 11 barriers -> 1 and 1; mxfp4_dh's (H-32): 21 -> 11, no stack.
-    With stochastic rounding the Philox draws come out in a layout of their own and each is converted (NVFP4's
-    dy pair: 17 conversions against 5), so SR operands keep the register transpose."""
-    return (b is not None and 0 < b.hadamard <= ACROSS_MAX_H and tuple(b.spec.block) == (1, b.hadamard)
-            and b.spec.rounding is not Rounding.STOCHASTIC)
+    each row tile.  sm_90 code (Triton 3.6, scripts/ptx_report.py): NVFP4's x pair (RHT-16 wgrad) 5 layout
+    conversions and 11 barriers -> 1 and 1, its dy pair (SR) 5 / 11 -> 1 / 1, ufp4's x 7 / 27 -> 3 / 17,
+    mxfp4_dh's (H-32) 21 / 41 -> 11 / 25 and no stack."""
+    return b is not None and 0 < b.hadamard <= ACROSS_MAX_H and tuple(b.spec.block) == (1, b.hadamard)
 
 
 def _fit(tile, a: OperandPlan | None, b: OperandPlan | None) -> tuple:
