@@ -578,6 +578,10 @@ def main():
         keep = set(args.impls.split(","))
         lin_names = [n for n in lin_names if n in keep]
         e2e_names = [n for n in e2e_names if n in keep]
+    # bf16 first, so that the tables' "vs first row" column is the speed against bf16 (session 13's e2e table ran
+    # torchao first when --impls named bf16_graphs and not bf16)
+    lin_names = sorted(lin_names, key=lambda n: not n.startswith("bf16"))
+    e2e_names = sorted(e2e_names, key=lambda n: not n.startswith("bf16"))
     if args.quick:
         sizes = dict(n=256, tokens=128, shapes=[(128, 128)], steps=2, batch=2, seq=64,
                      e2e=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
