@@ -61,7 +61,7 @@ def operand_kernel_args(a: OperandPlan | None, b: OperandPlan | None):
     column stride a constant 1, as the JIT specialises it)."""
     (br, bc, warps, *reload), _, consts, _ = operand._launch_config((a, b), None)
     constexprs = dict(BR=br, BC=bc, HAS_MU=False, EVEN=True, INTERPRETED=False, RELOAD=bool(reload and reload[0]),
-                      ACROSS=operand.across(b), s_c=1, **consts)
+                      s_c=1, **consts)
     types = {"t_ptr": "*bf16", "mu_ptr": "*fp32"}
     for prefix, p in (("a_", a), ("b_", b)):
         fp8 = p is not None and p.form == "fp8"

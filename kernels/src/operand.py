@@ -59,7 +59,8 @@ def _max_into(ptr, value, mask=None):
 def _stats_kernel(t_ptr, R, C, s_r, s_c, mu_ptr, a_stat, a_signs, b_stat, b_signs,
                   BR: tl.constexpr, BC: tl.constexpr, STEPS: tl.constexpr, HAS_MU: tl.constexpr, EVEN: tl.constexpr,
                   A_STAT: tl.constexpr, A_H: tl.constexpr, A_HSCALE: tl.constexpr, A_SIGNS: tl.constexpr,
-                  B_STAT: tl.constexpr, B_H: tl.constexpr, B_HSCALE: tl.constexpr, B_SIGNS: tl.constexpr):
+                  B_STAT: tl.constexpr, B_H: tl.constexpr, B_HSCALE: tl.constexpr, B_SIGNS: tl.constexpr,
+                  ACROSS: tl.constexpr):
     """Per-row (STAT 1) / tensor (STAT 2) amax of each orientation from one read of t.
 
     A program walks STEPS row tiles of one column strip.  What does not change along the walk -- the tensor
@@ -67,10 +68,10 @@ def _stats_kernel(t_ptr, R, C, s_r, s_c, mu_ptr, a_stat, a_signs, b_stat, b_sign
     registers, reduced across threads and sent to memory (one atomic) once at the end: on the H200 the
     per-tile reductions (through shared memory) held this pass to 30% of DRAM bandwidth (ncu, session 9).
     A's per-row amax (STAT 1) is reduced per tile, along the tile's rows.  An orientation without a Hadamard
-    reads the tile where it lies (no transpose); a B with a Hadamard of up to ACROSS_MAX beside an A that needs
-    at most its plain tensor amax reads it as B_H row tiles (_stats_across): no transpose either."""
+    reads the tile where it lies (no transpose); ACROSS (stats_across()): B's Hadamard is computed across B_H row
+    tiles (_stats_across), no transpose either."""
     cols = tl.program_id(1) * BC + tl.arange(0, BC)
-    if B_STAT > 0 and B_H > 0 and B_H <= ACROSS_MAX and A_H == 0 and A_STAT != 1:
+    if ACROSS:
         _stats_across(t_ptr, R, C, s_r, s_c, mu_ptr, a_stat, b_stat, b_signs, cols, BR, BC, STEPS, HAS_MU, EVEN,
                       A_STAT, B_STAT, B_H, B_HSCALE, B_SIGNS)
     else:
@@ -78,10 +79,9 @@ def _stats_kernel(t_ptr, R, C, s_r, s_c, mu_ptr, a_stat, a_signs, b_stat, b_sign
                      EVEN, A_STAT, A_H, A_HSCALE, A_SIGNS, B_STAT, B_H, B_HSCALE, B_SIGNS)
 
 
-#: The largest Hadamard of B (blocks along t's rows) that the stats pass computes across row tiles: a program
+#: The largest Hadamard of B (blocks along t's rows) that either pass computes across row tiles: a program
 #: holds that many row tiles at once.
-ACROSS_MAX_H = 32
-ACROSS_MAX = tl.constexpr(ACROSS_MAX_H)
+ACROSS_MAX = 32
 
 
 @triton.jit
@@ -112,7 +112,13 @@ def _stats_across(t_ptr, R, C, s_r, s_c, mu_ptr, a_stat, b_stat, b_signs, cols,
                 plain = tl.maximum(plain, _finite_abs(xs[i]))
     if A_STAT == 2:
         _max_into(a_stat, tl.max(tl.max(plain, axis=1), axis=0))
-    b = tl.max(b_acc, axis=0)
+    _send_b(b_stat, tl.max(b_acc, axis=0), cols, C, B_STAT)
+
+
+@triton.jit
+def _send_b(b_stat, b, cols, C, B_STAT: tl.constexpr):
+    """B's statistic from b, the amax of each of its rows (t's columns) in this program: per row (STAT 1) or of
+    the tensor (STAT 2)."""
     if B_STAT == 2:
         _max_into(b_stat, tl.max(b, axis=0))
     else:
@@ -148,11 +154,7 @@ def _stats_tiles(t_ptr, R, C, s_r, s_c, mu_ptr, a_stat, a_signs, b_stat, b_signs
     if A_STAT == 2:
         _max_into(a_stat, tl.max(a_rot, axis=0) if A_H > 0 else tl.max(tl.max(plain, axis=1), axis=0))
     if B_STAT > 0:
-        b = b_rot if B_H > 0 else tl.max(plain, axis=0)
-        if B_STAT == 2:
-            _max_into(b_stat, tl.max(b, axis=0))
-        else:
-            _max_into(b_stat + cols, b, mask=cols < C)
+        _send_b(b_stat, b_rot if B_H > 0 else tl.max(plain, axis=0), cols, C, B_STAT)
 
 
 @triton.jit
@@ -317,14 +319,16 @@ def _emit_across(xs, row0, cols, first_tile, out_ptr, n_rows, n_cols, stat_ptr, 
                                                    DMAX)
     if SCALE >= 2 and first_tile:  # two-level: the tensor decode scale
         tl.store(scale_ptr, s_dec)
+    if SR:  # element (c, r) takes word r % 4 of Philox call c * KP / 4 + r // 4
+        seed = tl.load(seed_ptr)
+        # + 1 where xs[0] is NaN (its block is NaN whatever the draws): keeps the counters in the values' layout --
+        # from the aranges alone sm_90 code drew in a layout of its own and converted every draw
+        base = cols[None, :].to(tl.int64) * (KP // 4) + (row0 // 4 + tl.arange(0, G) * (H // 4))[:, None] + (
+            xs[0] != xs[0]).to(tl.int64)
     qs, vals = (), ()
-    for j in tl.static_range(H // 4):  # SR: element (c, r) takes word r % 4 of Philox call c * KP / 4 + r // 4
+    for j in tl.static_range(H // 4):
         if SR:
-            g4 = (row0 // 4 + tl.arange(0, G) * (H // 4) + j)[:, None]
-            # + 1 where xs[0] is NaN (its block is NaN whatever the draws): keeps the counters in the values'
-            # layout -- from the aranges alone sm_90 code drew in a layout of its own and converted every draw
-            nan = (xs[0] != xs[0]).to(tl.int64)
-            us = tl.rand4x(tl.load(seed_ptr), cols[None, :].to(tl.int64) * (KP // 4) + g4 + nan)
+            us = tl.rand4x(seed, base + j)
         for w in tl.static_range(4):
             q, v = _round_values(ys[4 * j + w], encode, factor, us[w] if SR else ys[4 * j + w], GRID, SR)
             qs, vals = qs + (q,), vals + (v,)
@@ -446,8 +450,8 @@ def _launch_config(plans, tile):
         kind = f"across_{b.hadamard}"
     tile = _fit(tile or TILES[kind], a, b)
     stats_tile = _fit(STATS_TILE, a, b)
-    consts = {**_constexprs("A_", a), **_constexprs("B_", b)}
-    stat_flags = {}
+    consts = {**_constexprs("A_", a), **_constexprs("B_", b), "ACROSS": across(b)}
+    stat_flags = {"ACROSS": stats_across(a, b)}
     for prefix, plan in (("A_", a), ("B_", b)):
         stat_flags.update({f"{prefix}STAT": plan.stat if plan is not None else 0,
                            f"{prefix}H": plan.hadamard if plan is not None else 0,
@@ -462,7 +466,15 @@ def across(b: OperandPlan | None) -> bool:
     each row tile.  sm_90 code (Triton 3.6, scripts/ptx_report.py): NVFP4's x pair (RHT-16 wgrad) 5 layout
     conversions and 11 barriers -> 1 and 1, its dy pair (SR) 5 / 11 -> 1 / 1, ufp4's x 7 / 27 -> 3 / 17,
     mxfp4_dh's (H-32) 21 / 41 -> 11 / 25 and no stack."""
-    return b is not None and 0 < b.hadamard <= ACROSS_MAX_H and tuple(b.spec.block) == (1, b.hadamard)
+    return b is not None and 0 < b.hadamard <= ACROSS_MAX and tuple(b.spec.block) == (1, b.hadamard)
+
+
+def stats_across(a: OperandPlan | None, b: OperandPlan | None) -> bool:
+    """Whether the stats pass computes B's rotated amax across row tiles (_stats_across): B has a statistic and a
+    Hadamard of up to ACROSS_MAX, and A needs at most its plain tensor amax (a per-row-tile reduction for A's
+    Hadamard or per-row amax cost more shared-memory rounds than the transpose saves: 99 conversions against 10)."""
+    return (b is not None and b.stat > 0 and 0 < b.hadamard <= ACROSS_MAX
+            and (a is None or (a.hadamard == 0 and a.stat != 1)))
 
 
 def _fit(tile, a: OperandPlan | None, b: OperandPlan | None) -> tuple:
@@ -552,6 +564,5 @@ def triton_operands(t: torch.Tensor, plans: tuple[OperandPlan | None, OperandPla
     even = R % br == 0 and C % bc == 0 and tuple(cover) == (R, C)
     launcher(_operand_kernel)[(triton.cdiv(cover[0], br), triton.cdiv(cover[1], bc))](
         t, R, C, s_r, s_c, mu_t, *args, BR=br, BC=bc, HAS_MU=mu is not None, EVEN=even,
-        INTERPRETED=dev.type == "cpu", RELOAD=bool(reload and reload[0]), ACROSS=across(plans[1]), num_warps=warps,
-        **consts)
+        INTERPRETED=dev.type == "cpu", RELOAD=bool(reload and reload[0]), num_warps=warps, **consts)
     return ops
