@@ -582,13 +582,14 @@ def test_bf16_bits_keeps_nan_whatever_its_payload():
 
 @pytest.mark.parametrize("name,form,h,h_a", [("nvfp4", "bf16", 0, 0), ("ufp4", "bf16", 16, 16), ("mxfp4", "fp8", 0, 0),
                                               ("mxfp4", "fp8", 16, 16), ("nvfp4_2d", "bf16", 0, 0),
-                                              ("nvfp4", "bf16", 16, 0), ("nvfp4", "bf16", 32, 0)])
+                                              ("nvfp4", "bf16", 16, 0), ("nvfp4", "bf16", 32, 0),
+                                              ("mxfp4", "fp8", 32, 0)])
 @pytest.mark.parametrize("rows", [256, 200])  # whole walks, and a last walk past the tensor's rows
 def test_stats_pass_walking_several_row_tiles_matches_reference(monkeypatch, name, form, h, h_a, rows):
     """The stats pass's programs walk up to 8 row tiles each, keeping the tensor amax and the per-column amax
     in registers (kernels/src/operand._stats_steps): forced here at a small size, the operands stay the reference's.
-    h: B's Hadamard, h_a: A's (B rotated and A plain, as NVFP4's x and dy: the stats pass's row-tile tuples,
-    _stats_across)."""
+    h: B's Hadamard, h_a: A's (B rotated -- NVFP4's x and dy with A plain, mxfp4_dh's x with A's per-row amax,
+    UFP4's with A rotated: the stats pass's row-tile tuples, _stats_across)."""
     from hf_fp4.kernels import operand as operand_kernels
 
     monkeypatch.setattr(operand_kernels, "STATS_PROGRAMS", 1)
@@ -599,3 +600,23 @@ def test_stats_pass_walking_several_row_tiles_matches_reference(monkeypatch, nam
     signs = (seeded_signs(h_a, 5) if h_a else None, seeded_signs(h, 6) if h else None)
     plans = (plan_for(spec, form, h_a, h_a > 0), plan_for(spec, form, h, h > 0))
     assert_operands_exact(t, plans, torch.tensor([3, 4], device=DEV), signs)
+
+
+@pytest.mark.parametrize("name,form", [("ufp4", "bf16"), ("nvfp4", "bf16"), ("mxfp4", "fp8")])
+def test_stats_pass_rotated_amax_sits_in_any_output_of_a_block(monkeypatch, name, form):
+    """Each orientation's rotated tensor amax comes from one output of one block -- output 15 of 16, which the
+    last butterfly stage writes as a difference (kernels/src/numerics.hadamard_block_amax reduces that stage where
+    it lies): a block equal to signs * row 15 of H_16 rotates to 4 * its scale at output 15 and 0 elsewhere."""
+    from hf_fp4.kernels import operand as operand_kernels
+    from hf_fp4.numerics.hadamard import _sylvester
+
+    monkeypatch.setattr(operand_kernels, "STATS_PROGRAMS", 1)
+    g = torch.Generator().manual_seed(11)
+    t = torch.randn(128, 96, generator=g)
+    signs = (seeded_signs(16, 5), seeded_signs(16, 6))
+    last = _sylvester(16)[15].float()
+    t[37, 32:48] = 900.0 * last * signs[0]  # A: rotates to 3600 at output 15 of its block
+    t[64:80, 70] = -700.0 * last * signs[1]  # B (t's columns): -2800 at output 15
+    spec = QuantSpec.preset(name)
+    plans = (plan_for(spec, form, 16, True), plan_for(spec, form, 16, True))
+    assert_operands_exact(t.to(DEV), plans, torch.tensor([3, 4], device=DEV), tuple(s.to(DEV) for s in signs))

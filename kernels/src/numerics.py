@@ -173,6 +173,40 @@ def hadamard(x, signs_ptr, BM: tl.constexpr, BK: tl.constexpr, H: tl.constexpr, 
 
 
 @triton.jit
+def hadamard_block_amax(x, signs_ptr, BM: tl.constexpr, BK: tl.constexpr, H: tl.constexpr, HSCALE: tl.constexpr,
+                        HAS_SIGNS: tl.constexpr):
+    """For amaxes of hadamard(x, ...) without its values: the same FP32 operations up to the last butterfly stage
+    (stride H / 2), whose pairs (a + b, a - b) are reduced where they lie -- max(|a + b|, |a - b|) of the finite
+    ones, [BM * BK // H, H // 2] -- instead of being put back into x's layout (on sm_90 that reshape is a round
+    trip through shared memory per tile).  Not yet scaled: the caller reduces further, then applies
+    flush_subnormals(m * HSCALE) once -- both monotone in |v|, so they commute with the max (and a finite v
+    stays finite, HSCALE < 1)."""
+    if HAS_SIGNS:
+        s = tl.load(signs_ptr + tl.arange(0, H))
+        x = tl.reshape(tl.reshape(x, [BM * BK // H, H]) * s[None, :], [BM, BK])
+    x = butterfly(x, BM, BK, 1)
+    x = butterfly(x, BM, BK, 2)
+    x = butterfly(x, BM, BK, 4)
+    if H > 16:
+        x = butterfly(x, BM, BK, 8)
+    if H > 32:
+        x = butterfly(x, BM, BK, 16)
+    if H > 64:
+        x = butterfly(x, BM, BK, 32)
+    if H > 128:
+        x = butterfly(x, BM, BK, 64)
+    a, b = tl.split(tl.permute(tl.reshape(x, [BM * BK // H, 2, H // 2]), (0, 2, 1)))  # the last stage, S = H / 2
+    return tl.maximum(finite_abs(a + b), finite_abs(a - b))
+
+
+@triton.jit
+def finite_abs(x):
+    """|x|, 0 for a non-finite x (the reference zeroes non-finite values before an amax; NaN < inf is false)."""
+    a = tl.abs(x)
+    return tl.where(a < float("inf"), a, 0.0)
+
+
+@triton.jit
 def _butterfly_across(xs, S: tl.constexpr, H: tl.constexpr):
     """butterfly()'s stage of stride S across a tuple: element i of every block is the tile xs[i]; each pair
     (xs[i], xs[i + S]) with bit S of i clear -> (sum, difference), at the same indices."""

@@ -35,15 +35,10 @@ from hf_fp4.numerics.operand_plan import Operand, OperandPlan, empty_operand, fp
 from hf_fp4.numerics.spec import Rounding
 
 from .launch import launcher
-from .numerics import (block_max, encode_factor, e8m0_exponent, expand_blocks, grid_constants, hadamard,
-                       hadamard_across, pow2, round_grid, sr_uniforms, tensor_encode_scale, ue4m3_block_scale)
+from .numerics import (block_max, encode_factor, e8m0_exponent, expand_blocks, finite_abs,
+                       flush_subnormals, grid_constants, hadamard, hadamard_across, hadamard_block_amax, pow2, round_grid,
+                       sr_uniforms, tensor_encode_scale, ue4m3_block_scale)
 from .quant import SCALE_CODES, load_tile
-
-
-@triton.jit
-def _finite_abs(x):
-    a = tl.abs(x)
-    return tl.where(a < float("inf"), a, 0.0)  # the reference zeroes non-finite values first (NaN < inf is false)
 
 
 @triton.jit
@@ -72,8 +67,8 @@ def _stats_kernel(t_ptr, R, C, s_r, s_c, mu_ptr, a_stat, a_signs, b_stat, b_sign
     tiles (_stats_across), no transpose either."""
     cols = tl.program_id(1) * BC + tl.arange(0, BC)
     if ACROSS:
-        _stats_across(t_ptr, R, C, s_r, s_c, mu_ptr, a_stat, b_stat, b_signs, cols, BR, BC, STEPS, HAS_MU, EVEN,
-                      A_STAT, B_STAT, B_H, B_HSCALE, B_SIGNS)
+        _stats_across(t_ptr, R, C, s_r, s_c, mu_ptr, a_stat, a_signs, b_stat, b_signs, cols, BR, BC, STEPS, HAS_MU,
+                      EVEN, A_STAT, A_H, A_HSCALE, A_SIGNS, B_STAT, B_H, B_HSCALE, B_SIGNS)
     else:
         _stats_tiles(t_ptr, R, C, s_r, s_c, mu_ptr, a_stat, a_signs, b_stat, b_signs, cols, BR, BC, STEPS, HAS_MU,
                      EVEN, A_STAT, A_H, A_HSCALE, A_SIGNS, B_STAT, B_H, B_HSCALE, B_SIGNS)
@@ -85,13 +80,20 @@ ACROSS_MAX = 32
 
 
 @triton.jit
-def _stats_across(t_ptr, R, C, s_r, s_c, mu_ptr, a_stat, b_stat, b_signs, cols,
+def _stats_across(t_ptr, R, C, s_r, s_c, mu_ptr, a_stat, a_signs, b_stat, b_signs, cols,
                   BR: tl.constexpr, BC: tl.constexpr, STEPS: tl.constexpr, HAS_MU: tl.constexpr, EVEN: tl.constexpr,
-                  A_STAT: tl.constexpr, B_STAT: tl.constexpr, B_H: tl.constexpr, B_HSCALE: tl.constexpr,
-                  B_SIGNS: tl.constexpr):
-    """The stats pass when B has a Hadamard and A needs at most its plain tensor amax (NVFP4's x and dy: RHT-16
-    on the wgrad orientation only): each row tile is read as B_H tiles of BR / B_H rows, xs[i] = rows
-    r0 + g * B_H + i, so that B's rotation (along t's rows) is elementwise between them (hadamard_across).
+                  A_STAT: tl.constexpr, A_H: tl.constexpr, A_HSCALE: tl.constexpr, A_SIGNS: tl.constexpr,
+                  B_STAT: tl.constexpr, B_H: tl.constexpr, B_HSCALE: tl.constexpr, B_SIGNS: tl.constexpr):
+    """The stats pass when B has a Hadamard and A needs at most its tensor amax (NVFP4's x and dy: RHT-16 on the
+    wgrad orientation only; UFP4's x, dy and W: RHT-16 both ways): each row tile is read as B_H tiles of BR / B_H
+    rows, xs[i] = rows r0 + g * B_H + i, so that B's rotation (along t's rows) is elementwise between them
+    (hadamard_across).  A's rotation (along t's columns) runs inside each of those tiles and is reduced where its
+    last butterfly stage leaves it (hadamard_block_amax): UFP4's x went from _stats_tiles' 9 conversions, 42
+    barriers, 202 shared-memory accesses and 124 registers to 8 barriers, 14 accesses and 79 registers (sm_90,
+    Triton 3.6), and its x pair's operands (both passes, 8192^2) from 0.489 to 0.337 ms on the H200.  A's per-row
+    amax (mxfp4_dh's x: E8M0 scales folded into FP8, H-32 on the wgrad orientation) is reduced from a second load
+    of the whole row tile (an L1 / L2 hit): 8 conversions, 17 barriers and ~100 shared-memory accesses -> 2, 5 and
+    9 (untimed).
     On sm_90 (tests/hopper_compile.py, Triton 3.6) the transpose and butterfly stages of _stats_tiles were six
     layout conversions through 16 KiB of shared memory at 128 registers; this is none, 2 KiB, 75 registers.
     (A with a Hadamard or per-row statistics would need a reduction per row tile of the B_H: more shared-memory
@@ -100,6 +102,7 @@ def _stats_across(t_ptr, R, C, s_r, s_c, mu_ptr, a_stat, b_stat, b_signs, cols,
     g = tl.arange(0, G)
     plain = tl.zeros([G, BC], dtype=tl.float32)  # |t| for A's tensor amax, elementwise
     b_acc = tl.zeros([G, BC], dtype=tl.float32)  # |B's rotated values|, elementwise (t's columns are B's rows)
+    a_rot = tl.zeros([], dtype=tl.float32)  # A's rotated tensor amax
     for step in range(STEPS):
         row0 = (tl.program_id(0) * STEPS + step) * BR
         xs = ()
@@ -107,11 +110,20 @@ def _stats_across(t_ptr, R, C, s_r, s_c, mu_ptr, a_stat, b_stat, b_signs, cols,
             xs = xs + (load_tile(t_ptr, row0 + g * B_H + i, cols, R, C, s_r, s_c, mu_ptr, HAS_MU, EVEN),)
         ys = hadamard_across(xs, b_signs, B_H, B_HSCALE, B_SIGNS)
         for i in tl.static_range(B_H):
-            b_acc = tl.maximum(b_acc, _finite_abs(ys[i]))
-            if A_STAT == 2:
-                plain = tl.maximum(plain, _finite_abs(xs[i]))
+            b_acc = tl.maximum(b_acc, finite_abs(ys[i]))
+            if A_STAT == 2 and A_H == 0:
+                plain = tl.maximum(plain, finite_abs(xs[i]))
+        if A_STAT == 1:  # A's per-row amax (A_H == 0): the whole tile once more (an L1 / L2 hit), reduced per row
+            rows = row0 + tl.arange(0, BR)
+            x = load_tile(t_ptr, rows, cols, R, C, s_r, s_c, mu_ptr, HAS_MU, EVEN)
+            _max_into(a_stat + rows, tl.max(finite_abs(x), axis=1), mask=rows < R)
+        if A_STAT == 2 and A_H > 0:  # A's rotation inside each row tile: block amaxes, in their own layout
+            a_step = hadamard_block_amax(xs[0], a_signs, G, BC, A_H, A_HSCALE, A_SIGNS)
+            for i in tl.static_range(1, B_H):
+                a_step = tl.maximum(a_step, hadamard_block_amax(xs[i], a_signs, G, BC, A_H, A_HSCALE, A_SIGNS))
+            a_rot = tl.maximum(a_rot, tl.max(tl.max(a_step, axis=1), axis=0))
     if A_STAT == 2:
-        _max_into(a_stat, tl.max(tl.max(plain, axis=1), axis=0))
+        _max_into(a_stat, flush_subnormals(a_rot * A_HSCALE) if A_H > 0 else tl.max(tl.max(plain, axis=1), axis=0))
     _send_b(b_stat, tl.max(b_acc, axis=0), cols, C, B_STAT)
 
 
@@ -139,17 +151,17 @@ def _stats_tiles(t_ptr, R, C, s_r, s_c, mu_ptr, a_stat, a_signs, b_stat, b_signs
         rows = (tl.program_id(0) * STEPS + step) * BR + tl.arange(0, BR)
         x = load_tile(t_ptr, rows, cols, R, C, s_r, s_c, mu_ptr, HAS_MU, EVEN)
         if PLAIN:
-            plain = tl.maximum(plain, _finite_abs(x))
+            plain = tl.maximum(plain, finite_abs(x))
         if A_STAT > 0 and A_H > 0:
-            a = tl.max(_finite_abs(hadamard(x, a_signs, BR, BC, A_H, A_HSCALE, A_SIGNS)), axis=1)
+            a = tl.max(finite_abs(hadamard(x, a_signs, BR, BC, A_H, A_HSCALE, A_SIGNS)), axis=1)
             if A_STAT == 1:
                 _max_into(a_stat + rows, a, mask=rows < R)
             else:
                 a_rot = tl.maximum(a_rot, a)
         elif A_STAT == 1:
-            _max_into(a_stat + rows, tl.max(_finite_abs(x), axis=1), mask=rows < R)
+            _max_into(a_stat + rows, tl.max(finite_abs(x), axis=1), mask=rows < R)
         if B_STAT > 0 and B_H > 0:
-            b_rot = tl.maximum(b_rot, tl.max(_finite_abs(hadamard(tl.trans(x), b_signs, BC, BR, B_H, B_HSCALE,
+            b_rot = tl.maximum(b_rot, tl.max(finite_abs(hadamard(tl.trans(x), b_signs, BC, BR, B_H, B_HSCALE,
                                                                   B_SIGNS)), axis=1))
     if A_STAT == 2:
         _max_into(a_stat, tl.max(a_rot, axis=0) if A_H > 0 else tl.max(tl.max(plain, axis=1), axis=0))
@@ -471,10 +483,10 @@ def across(b: OperandPlan | None) -> bool:
 
 def stats_across(a: OperandPlan | None, b: OperandPlan | None) -> bool:
     """Whether the stats pass computes B's rotated amax across row tiles (_stats_across): B has a statistic and a
-    Hadamard of up to ACROSS_MAX, and A needs at most its plain tensor amax (a per-row-tile reduction for A's
-    Hadamard or per-row amax cost more shared-memory rounds than the transpose saves: 99 conversions against 10)."""
+    Hadamard of up to ACROSS_MAX, and A needs at most its tensor amax, rotated or not (A's per-row amax -- the MX
+    FP8 fold -- would need a reduction per row tile of the B_H: 99 conversions against 10)."""
     return (b is not None and b.stat > 0 and 0 < b.hadamard <= ACROSS_MAX
-            and (a is None or (a.hadamard == 0 and a.stat != 1)))
+            and (a is None or a.stat != 1 or a.hadamard == 0))
 
 
 def _fit(tile, a: OperandPlan | None, b: OperandPlan | None) -> tuple:
