@@ -305,18 +305,21 @@ def _interleave(vs, H: tl.constexpr, G: tl.constexpr, BC: tl.constexpr):
 
 @triton.jit
 def _emit_across(xs, row0, cols, first_tile, out_ptr, n_rows, n_cols, stat_ptr, scale_ptr, seed_ptr, signs_ptr,
-                 side_ptr, eb_ptr, flag_ptr, KP, G: tl.constexpr, BC: tl.constexpr, H: tl.constexpr,
+                 side_ptr, eb_ptr, flag_ptr, KP, G: tl.constexpr, BC: tl.constexpr, N: tl.constexpr,
                  GRID: tl.constexpr, QMAX: tl.constexpr, QM: tl.constexpr, QE: tl.constexpr, EMAX: tl.constexpr,
-                 SCALE: tl.constexpr, SR: tl.constexpr, HSCALE: tl.constexpr, HAS_SIGNS: tl.constexpr,
+                 SCALE: tl.constexpr, SR: tl.constexpr, ROTATE: tl.constexpr, HSCALE: tl.constexpr, HAS_SIGNS: tl.constexpr,
                  FP8: tl.constexpr, SHIFT: tl.constexpr, DMAX: tl.constexpr, EVEN: tl.constexpr,
                  INTERPRETED: tl.constexpr):
-    """_emit for the orientation whose blocks run along t's rows (B: rows = t's columns, 1 x H blocks along t's
-    rows, H its Hadamard), from the H row tiles xs[i] = t[row0 + g * H + i, cols] ([G, BC]): the rotation, the
+    """_emit for the orientation whose blocks run along t's rows (B: rows = t's columns, 1 x N blocks along t's
+    rows; ROTATE: an N Hadamard, else none), from the N row tiles xs[i] = t[row0 + g * N + i, cols] ([G, BC]): the rotation, the
     block amax (elementwise over the tuple: a block is one (g, c)), scaling and rounding need no transpose;
     the values are transposed once, for the store (_interleave).  Bit-identical to _emit on the transposed tile."""
-    ys = hadamard_across(xs, signs_ptr, H, HSCALE, HAS_SIGNS)
+    if ROTATE:
+        ys = hadamard_across(xs, signs_ptr, N, HSCALE, HAS_SIGNS)
+    else:
+        ys = xs
     amax = tl.zeros([G, BC], dtype=tl.float32)
-    for i in tl.static_range(H):
+    for i in tl.static_range(N):
         a = tl.abs(ys[i])
         if INTERPRETED:  # the interpreter's max drops NaN: map NaN to Inf first
             a = tl.where(a == a, a, float("inf"))
@@ -335,34 +338,34 @@ def _emit_across(xs, row0, cols, first_tile, out_ptr, n_rows, n_cols, stat_ptr, 
         seed = tl.load(seed_ptr)
         # + 1 where xs[0] is NaN (its block is NaN whatever the draws): keeps the counters in the values' layout --
         # from the aranges alone sm_90 code drew in a layout of its own and converted every draw
-        base = cols[None, :].to(tl.int64) * (KP // 4) + (row0 // 4 + tl.arange(0, G) * (H // 4))[:, None] + (
+        base = cols[None, :].to(tl.int64) * (KP // 4) + (row0 // 4 + tl.arange(0, G) * (N // 4))[:, None] + (
             xs[0] != xs[0]).to(tl.int64)
     qs, vals = (), ()
-    for j in tl.static_range(H // 4):
+    for j in tl.static_range(N // 4):
         if SR:
             us = tl.rand4x(seed, base + j)
         for w in tl.static_range(4):
             q, v = _round_values(ys[4 * j + w], encode, factor, us[w] if SR else ys[4 * j + w], GRID, SR)
             qs, vals = qs + (q,), vals + (v,)
-    rows = row0 + tl.arange(0, G * H)
+    rows = row0 + tl.arange(0, G * N)
     offs = cols[:, None].to(tl.int64) * n_cols + rows[None, :]
     if EVEN:
         inside = None
     else:
         inside = (cols[:, None] < n_rows) & (rows[None, :] < n_cols)
-    val = _interleave(vals, H, G, BC)
+    val = _interleave(vals, N, G, BC)
     if FP8:
         _store_fp8(out_ptr, offs, val, inside, INTERPRETED)
         if tl.max(tl.max(lost.to(tl.int32), axis=1), axis=0) > 0:  # rare: record the lost blocks exactly
             lost_el = ()
-            for i in tl.static_range(H):
+            for i in tl.static_range(N):
                 lost_el = lost_el + (lost.to(tl.int32),)
-            lost_t = _interleave(lost_el, H, G, BC) > 0
-            side = (_interleave(qs, H, G, BC) * (1 << SHIFT)).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+            lost_t = _interleave(lost_el, N, G, BC) > 0
+            side = (_interleave(qs, N, G, BC) * (1 << SHIFT)).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
             tl.store(side_ptr + offs, side, mask=lost_t if EVEN else inside & lost_t)
-            blocks = (row0 // H + tl.arange(0, G))[:, None]
-            tl.store(eb_ptr + cols[None, :].to(tl.int64) * (n_cols // H) + blocks, tl.where(lost, e, -128).to(tl.int8),
-                     mask=(cols[None, :] < n_rows) & (blocks < n_cols // H))
+            blocks = (row0 // N + tl.arange(0, G))[:, None]
+            tl.store(eb_ptr + cols[None, :].to(tl.int64) * (n_cols // N) + blocks, tl.where(lost, e, -128).to(tl.int8),
+                     mask=(cols[None, :] < n_rows) & (blocks < n_cols // N))
             col_lost = tl.max(lost.to(tl.int32), axis=0)
             tl.store(flag_ptr + cols, col_lost.to(tl.int8), mask=(cols < n_rows) & (col_lost > 0))
             tl.store(flag_ptr + n_rows, tl.full([], 1, tl.int8))  # "some row is flagged" (the GEMM's early exit)
@@ -394,15 +397,15 @@ def _operand_kernel(t_ptr, R, C, s_r, s_c, mu_ptr,
         _emit(x, rows, cols, pid_c * BC, first, a_out, a_rows, a_cols, a_stat, a_scale, a_seed, a_signs,
               a_side, a_eb, a_flags, a_kp, BR, BC, A_BLR, A_BLC, A_GRID, A_QMAX, A_QM, A_QE, A_EMAX, A_SCALE, A_SR,
               A_H, A_HSCALE, A_SIGNS, A_FP8, A_SHIFT, A_DMAX, EVEN, INTERPRETED)
-    if B_ON and ACROSS:  # B's Hadamard across H row tiles (a second read of the tile: L1 / L2)
-        G: tl.constexpr = BR // B_H
+    if B_ON and ACROSS:  # B's 1 x B_BLC blocks across row tiles (a second read of the tile: L1 / L2)
+        G: tl.constexpr = BR // B_BLC
         xs = ()
-        for i in tl.static_range(B_H):
-            xs = xs + (load_tile(t_ptr, pid_r * BR + tl.arange(0, G) * B_H + i, cols, R, C, s_r, s_c, mu_ptr, HAS_MU,
-                                 EVEN),)
+        for i in tl.static_range(B_BLC):
+            xs = xs + (load_tile(t_ptr, pid_r * BR + tl.arange(0, G) * B_BLC + i, cols, R, C, s_r, s_c, mu_ptr,
+                                 HAS_MU, EVEN),)
         _emit_across(xs, pid_r * BR, cols, first, b_out, b_rows, b_cols, b_stat, b_scale, b_seed, b_signs, b_side,
-                     b_eb, b_flags, b_kp, G, BC, B_H, B_GRID, B_QMAX, B_QM, B_QE, B_EMAX, B_SCALE, B_SR, B_HSCALE,
-                     B_SIGNS, B_FP8, B_SHIFT, B_DMAX, EVEN, INTERPRETED)
+                     b_eb, b_flags, b_kp, G, BC, B_BLC, B_GRID, B_QMAX, B_QM, B_QE, B_EMAX, B_SCALE, B_SR, B_H > 0,
+                     B_HSCALE, B_SIGNS, B_FP8, B_SHIFT, B_DMAX, EVEN, INTERPRETED)
     elif B_ON:
         if RELOAD:  # the transposed tile from a second load (an L1/L2 hit) instead of a register transpose
             xt = load_tile(t_ptr, cols, rows, C, R, s_c, s_r, mu_ptr, False, EVEN)
@@ -459,7 +462,7 @@ def _launch_config(plans, tile):
     if kind == "both" and b.form == "fp8":
         kind = "both_fp8"
     if across(b):
-        kind = f"across_{b.hadamard}"
+        kind = f"across_{b.spec.block[1]}"
     tile = _fit(tile or TILES[kind], a, b)
     stats_tile = _fit(STATS_TILE, a, b)
     consts = {**_constexprs("A_", a), **_constexprs("B_", b), "ACROSS": across(b)}
@@ -473,12 +476,15 @@ def _launch_config(plans, tile):
 
 
 def across(b: OperandPlan | None) -> bool:
-    """Whether the operand kernel makes B (blocks along t's rows) across row tiles (_emit_across): a Hadamard of
-    up to ACROSS_MAX that is its block (1 x H blocks: the presets' wgrad operands), so a block is one element of
-    each row tile.  sm_90 code (Triton 3.6, scripts/ptx_report.py): NVFP4's x pair (RHT-16 wgrad) 5 layout
-    conversions and 11 barriers -> 1 and 1, its dy pair (SR) 5 / 11 -> 1 / 1, ufp4's x 7 / 27 -> 3 / 17,
-    mxfp4_dh's (H-32) 21 / 41 -> 11 / 25 and no stack."""
-    return b is not None and 0 < b.hadamard <= ACROSS_MAX and tuple(b.spec.block) == (1, b.hadamard)
+    """Whether the operand kernel makes B (blocks along t's rows) across row tiles (_emit_across): 1 x 16 or 1 x 32
+    blocks, with no Hadamard or one that is the block (the presets' wgrad operands, and the MX family's dgrad
+    weight), so a block is one element of each row tile.  sm_90 code (Triton 3.6, scripts/ptx_report.py): NVFP4's
+    x pair (RHT-16 wgrad) 5 layout conversions and 11 barriers -> 1 and 1, its dy pair (SR) 5 / 11 -> 1 / 1, ufp4's
+    x 7 / 27 -> 3 / 17, mxfp4_dh's (H-32) 21 / 41 -> 11 / 25 and no stack; without a Hadamard, mxfp4's FP8 x / dy
+    / W pairs 19 / 43 and 124 registers -> 11 / 25 and 76 (the byte-wise shared-memory transpose of its FP8 values
+    gone), NVFP4's lone wgrad operand 1 / 4 -> 1 / 1 (the last two untimed)."""
+    return (b is not None and b.spec.block[0] == 1 and b.spec.block[1] in (16, 32) and b.spec.block[1] <= ACROSS_MAX
+            and b.hadamard in (0, b.spec.block[1]))
 
 
 def stats_across(a: OperandPlan | None, b: OperandPlan | None) -> bool:
