@@ -566,6 +566,8 @@ def main():
                "versions": versions, "command": "python " + " ".join(sys.argv), "date": date,
                "linear": [], "e2e": [], "quant": []}
     parts = args.parts.split(",")
+    if unknown := [p for p in parts if p not in PARTS]:
+        parser.error(f"unknown part(s) {', '.join(unknown)}; valid: {', '.join(PARTS)}")
     lin_names = ["bf16", "bf16_compiled", "torchao_fp8_tensorwise", "torchao_fp8_rowwise", "emulation_compiled"]
     lin_names += [f"hf_fp4:{p}" for p in FP4_PRESETS] + [f"hf_fp4:{p}:compiled" for p in FP4_PRESETS]
     lin_names += ["bf16_graphs"] + [f"hf_fp4:{p}:graphs" for p in FP4_PRESETS]
@@ -575,7 +577,15 @@ def main():
                  f"hf_fp4:{p}:compiled" for p in FP4_PRESETS] + ["bf16_graphs"] + [
                  f"hf_fp4:{p}:graphs" for p in FP4_PRESETS] + [f"hf_fp4:{p}+bf16gemm:graphs" for p in MX_PRESETS]
     if args.impls:
-        keep = set(args.impls.split(","))
+        keep = list(dict.fromkeys(args.impls.split(",")))
+        known = set(lin_names) | set(e2e_names) | {f"hf_fp4:{p}" for p in FP4_PRESETS}
+        if unknown := [n for n in keep if n not in known]:
+            parser.error(f"unknown impl(s) {', '.join(unknown)}; valid: {', '.join(sorted(known))}")
+        for label, names, part_names in (("linear", lin_names, ("linear", "linear_spread")),
+                                         ("e2e", e2e_names, ("e2e", "e2e50m"))):
+            if skipped := [n for n in keep if n not in names and any(p in parts for p in part_names)]:
+                # session 14 lost torchao's linear row to an e2e-only name without a word
+                print(f"note: not a {label} impl, skipped there: {', '.join(skipped)}", file=sys.stderr)
         lin_names = [n for n in lin_names if n in keep]
         e2e_names = [n for n in e2e_names if n in keep]
     # bf16 first, so that the tables' "vs first row" column is the speed against bf16 (session 13's e2e table ran
@@ -624,6 +634,9 @@ def main():
         presets = [p for p in FP4_PRESETS if args.impls is None or f"hf_fp4:{p}" in args.impls.split(",")]
         text.append(bench_moe(dev, args.quick, results, presets))
     write(results, stem, "\n".join(text))
+
+
+PARTS = ("quant", "linear", "linear_spread", "e2e", "e2e50m", "attention", "moe", "sharq", "optim")
 
 
 def merge(paths):
