@@ -432,7 +432,10 @@ def bench_moe(dev, quick, results, presets):
     logits = torch.randn(tokens, e, device=dev, generator=g)
     weights, index = torch.softmax(logits, -1).topk(topk, -1)
     rows, base = [], None
-    for name in ["bf16:grouped_mm", "bf16:eager"] + [f"hf_fp4:{p}" for p in presets]:
+    # hf_fp4:<preset> takes the grouped GEMMs where they are bit-identical (hf_fp4.nn.grouped: the E8M0 presets
+    # rounded to nearest); ":loop" runs the same preset's per-expert loop, side by side
+    loops = [f"hf_fp4:{p}:loop" for p in presets if p in ("mxfp4", "mxfp4_dh")]
+    for name in ["bf16:grouped_mm", "bf16:eager"] + [f"hf_fp4:{p}" for p in presets] + loops:
         torch.manual_seed(0)
         holder = nn.Module()
         holder.config = cfg
@@ -441,6 +444,7 @@ def bench_moe(dev, quick, results, presets):
         nn.init.normal_(holder.experts.down_proj, std=0.02)
         if name.startswith("hf_fp4:"):
             convert_model(holder, preset(name.split(":")[1]))
+            holder.experts.hf_fp4.grouped = not name.endswith(":loop")
         else:
             cfg._experts_implementation = name.split(":")[1]
         xx = x.clone().requires_grad_()

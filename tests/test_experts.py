@@ -257,3 +257,53 @@ def test_set_fp8_gemms_moves_every_linear_and_experts_module_and_back():
     hf_fp4.set_fp8_gemms(model, True)
     forms = [m._plans["triton"].forms for m in linears.values()] + [s.plans["triton"].forms for s in experts.values()]
     assert set(forms) == {("fp8", "fp8", "fp8")}
+
+
+def _grouped_vs_loop(arch, recipe, grouped, seed=0):
+    """One bf16 training call of the first experts module on the fast path (interpreted on the CPU): output, dx
+    and the 3D weight gradients, with the grouped GEMMs on or off."""
+    model = moe_model(arch, recipe).to(torch.bfloat16)
+    module = next(iter(experts_modules(model).values()))
+    state = module.hf_fp4
+    state.backend, state.grouped = "triton", grouped
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(40, 64, generator=g) * torch.exp2(torch.randint(-3, 4, (40, 1), generator=g))).to(
+        torch.bfloat16).requires_grad_()
+    index, weights = routing(40, 4, 2, seed)
+    index[5, 1] = 7  # an id past the experts (an expert-parallel sentinel): routed nowhere, by both paths
+    assert (state.grouped_reason(module, x) is None) == grouped
+    y = module(x, index, weights.to(torch.bfloat16))
+    (y.float() * torch.randn(y.shape, generator=g)).sum().backward()
+    up = "gate_up_proj" if module.has_gate else "up_proj"
+    return y.float(), x.grad.float(), getattr(module, up).grad.float(), module.down_proj.grad.float()
+
+
+@pytest.mark.parametrize("arch,recipe", [("mixtral", "mxfp4"), ("qwen3_moe", "mxfp4_dh"), ("olmoe", "mxfp4")])
+def test_grouped_expert_gemms_equal_the_per_expert_loop(arch, recipe):
+    """The grouped path (hf_fp4.nn.grouped: gathered expert segments, one operand call per tensor, grouped GEMMs)
+    against the per-expert loop on the same bf16 module: the same operands bit for bit, so outputs and gradients
+    differ only by the GEMMs' FP32 summation order and BF16 rounding -- far below the quantization error, which a
+    wrong operand (a block straddling two experts, another expert's weight) would show."""
+    got = _grouped_vs_loop(arch, recipe, True)
+    want = _grouped_vs_loop(arch, recipe, False)
+    for name, a, b in zip(("y", "dx", "dW_up", "dW_down"), got, want):
+        scale = b.abs().max()
+        assert scale > 0
+        # one BF16 rounding of each side (2^-8 relative) plus a few of the layer inside
+        assert (a - b).abs().max() <= 2 ** -6 * scale, f"{arch}/{recipe} {name}: {(a - b).abs().max() / scale}"
+        assert (a - b).abs().mean() <= 2 ** -11 * scale, f"{arch}/{recipe} {name} on average"
+
+
+def test_grouped_path_is_taken_only_where_it_is_bit_identical():
+    """nvfp4 (per-expert tensor amax, SR) and fp32 activations keep the loop; the reason names the cause."""
+    model = moe_model("mixtral", "nvfp4").to(torch.bfloat16)
+    module = next(iter(experts_modules(model).values()))
+    module.hf_fp4.backend = "triton"
+    x = torch.zeros(4, 64, dtype=torch.bfloat16)
+    assert "tensor amax" in module.hf_fp4.grouped_reason(module, x)
+    model = moe_model("mixtral", "mxfp4")
+    module = next(iter(experts_modules(model).values()))
+    module.hf_fp4.backend = "triton"
+    assert "float32" in module.hf_fp4.grouped_reason(module, torch.zeros(4, 64))
+    module.hf_fp4.backend = "reference"
+    assert module.hf_fp4.grouped_reason(module, torch.zeros(4, 64, dtype=torch.bfloat16)) == "the reference backend"

@@ -15,7 +15,8 @@ separate nn.Linear would.  The router is a module of its own (an nn.Linear, or a
 Parameter) and is left to the linear swap's rules: Transformers' routers are not nn.Linear, so they stay
 in high precision.  The loop over experts reads the routing counts on the host; on CUDA each expert's GEMMs
 run on the fast path of FP4Linear (Triton operand kernels, exact FP8 / BF16 GEMMs), one expert at a time --
-grouped GEMMs are still to come.
+except where grouped GEMMs give the loop's operands bit for bit (hf_fp4.nn.grouped: E8M0 formats rounded to
+nearest, today mxfp4 / mxfp4_dh / mxfp8): all experts at once, no host synchronisation.
 """
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ import torch
 
 from . import linear as _linear
 from .autograd import FP4LinearFunction, output_dtype
+from .grouped import grouped_projection, grouped_reason, segment_align
+from .grouping import group_layout
 from .linear import FP4Linear, _crc, _notify, hadamard_signs, seed_bases
 from ..numerics.formats import ELEMENT_BITS
 from .operands import BACKENDS, LinearPlan, plans_by_backend
@@ -45,6 +48,8 @@ class ExpertsFP4:
         self.recipe, self.name, self.seed = recipe, name, seed
         self.backend = "auto"  # as FP4Linear's: the Triton operand kernels and exact GEMMs on CUDA, per expert
         self.packed_rows: dict[str, int] = {}  # while a packed export loads: each projection's output rows
+        # the fast path's grouped GEMMs (hf_fp4.nn.grouped) where they are bit-identical to the loop; False: the loop
+        self.grouped = True
         self.frozen, self._fp8_gemms = False, True
         self._build_plans()
         self.projections = projections
@@ -71,6 +76,22 @@ class ExpertsFP4:
 
     def _build_plans(self) -> None:
         self.plans = plans_by_backend(self.recipe, self.frozen, self._fp8_gemms)
+        self.grouped_plan = plans_by_backend(self.recipe, self.frozen, False)["triton"]  # BF16 operand forms
+
+    def grouped_reason(self, module: torch.nn.Module, x: torch.Tensor) -> str | None:
+        """Why this step runs the per-expert loop instead of the grouped GEMMs (None: it does not)."""
+        if not self.grouped:
+            return "ExpertsFP4.grouped is False"
+        if self.plan(x) is not self.plans["triton"]:
+            return "the reference backend"
+        if _linear._OBSERVERS:
+            return "operand observers (diagnostics per expert) are attached"
+        for proj in self.projections:
+            w = getattr(module, proj)
+            n, k = (w.shape[2], w.shape[1]) if module.is_transposed else (w.shape[1], w.shape[2])
+            if reason := grouped_reason(self.grouped_plan, n, k, module.has_bias, output_dtype(x)):
+                return f"{proj}: {reason}"
+        return None
 
     def plan(self, t: torch.Tensor) -> LinearPlan:
         if self.backend not in BACKENDS:
@@ -124,6 +145,8 @@ def fp4_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Te
     if training:
         step.add_(1)
     up_name = "gate_up_proj" if self.has_gate else "up_proj"
+    if state.grouped_reason(self, hidden_states) is None:
+        return _grouped_experts_forward(self, state, hidden_states, top_k_index, top_k_weights, signs, training)
     p_up, p_down = state.projections.index(up_name), state.projections.index("down_proj")
     num_experts = seeds.shape[1]
     k = top_k_index.shape[-1]
@@ -151,6 +174,23 @@ def fp4_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Te
             y = self.post_expert_norm(y)
         out.index_add_(0, tokens, y.float() * route_weights[pairs, None].float())
     return out.to(hidden_states.dtype)
+
+
+def _grouped_experts_forward(self, state: ExpertsFP4, hidden_states, top_k_index, top_k_weights, signs, training):
+    """fp4_experts_forward on grouped GEMMs: every expert's rows in one gathered tensor (hf_fp4.nn.grouped)."""
+    up_name = "gate_up_proj" if self.has_gate else "up_proj"
+    w_up, w_down = getattr(self, up_name), self.down_proj
+    if self.is_transposed:
+        w_up, w_down = w_up.transpose(1, 2), w_down.transpose(1, 2)
+    plan = state.grouped_plan
+    layout = group_layout(top_k_index, w_down.shape[0], segment_align(plan))
+    xg = layout.gather(hidden_states.to(output_dtype(hidden_states)))
+    h = grouped_projection(layout, xg, w_up, signs, plan, training)
+    h = self._apply_gate(h) if self.has_gate else self.act_fn(h)
+    y = grouped_projection(layout, h, w_down, signs, plan, training)
+    if getattr(self, "has_post_expert_norm", False):
+        y = self.post_expert_norm(y)
+    return layout.combine(y, top_k_weights, hidden_states.shape[0]).to(hidden_states.dtype)
 
 
 @functools.lru_cache(maxsize=None)
