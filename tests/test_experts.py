@@ -307,3 +307,27 @@ def test_grouped_path_is_taken_only_where_it_is_bit_identical():
     assert "float32" in module.hf_fp4.grouped_reason(module, torch.zeros(4, 64))
     module.hf_fp4.backend = "reference"
     assert module.hf_fp4.grouped_reason(module, torch.zeros(4, 64, dtype=torch.bfloat16)) == "the reference backend"
+
+
+def test_grouped_experts_compile_with_fullgraph_and_equal_eager():
+    """The grouped path has no host read of the routing: torch.compile(fullgraph=True) traces the experts
+    forward and backward (aot_eager on the CPU), bit-equal to eager over the same step."""
+    model = moe_model("mixtral", "mxfp4").to(torch.bfloat16)
+    module = next(iter(experts_modules(model).values()))
+    module.hf_fp4.backend = "triton"
+    x = torch.randn(40, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    index, weights = routing(40, 4, 2, 0)
+    assert module.hf_fp4.grouped_reason(module, x) is None
+
+    def step(m):
+        module.zero_grad()
+        xx = x.clone().requires_grad_()
+        y = m(xx, index, weights.to(torch.bfloat16))
+        y.float().square().sum().backward()
+        return y, xx.grad, module.gate_up_proj.grad.clone(), module.down_proj.grad.clone()
+
+    eager = step(module)
+    module.hf_fp4.step.zero_()
+    compiled = step(torch.compile(module, fullgraph=True, backend="aot_eager"))
+    for a, b in zip(eager, compiled):
+        assert torch.equal(a, b)
