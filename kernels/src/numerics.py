@@ -151,25 +151,23 @@ def butterfly(x, BM: tl.constexpr, BK: tl.constexpr, S: tl.constexpr):
 
 
 @triton.jit
-def hadamard(x, signs_ptr, BM: tl.constexpr, BK: tl.constexpr, H: tl.constexpr, HSCALE: tl.constexpr,
-             HAS_SIGNS: tl.constexpr):
-    """Blockwise diag(s) H_n along the last dim: signs, butterflies of stride 1 .. H/2, one scale."""
+def _signed_stages(x, signs_ptr, BM: tl.constexpr, BK: tl.constexpr, H: tl.constexpr, HAS_SIGNS: tl.constexpr,
+                   STOP: tl.constexpr):
+    """The signs of diag(s) H_n, then the butterfly stages of stride 1, 2, 4, ... below STOP."""
     if HAS_SIGNS:
         s = tl.load(signs_ptr + tl.arange(0, H))
         x = tl.reshape(tl.reshape(x, [BM * BK // H, H]) * s[None, :], [BM, BK])
-    x = butterfly(x, BM, BK, 1)
-    x = butterfly(x, BM, BK, 2)
-    x = butterfly(x, BM, BK, 4)
-    x = butterfly(x, BM, BK, 8)
-    if H > 16:
-        x = butterfly(x, BM, BK, 16)
-    if H > 32:
-        x = butterfly(x, BM, BK, 32)
-    if H > 64:
-        x = butterfly(x, BM, BK, 64)
-    if H > 128:
-        x = butterfly(x, BM, BK, 128)
-    return flush_subnormals(x * HSCALE)
+    for i in tl.static_range(8):  # strides 1 .. 128 (H <= 256)
+        if (1 << i) < STOP:
+            x = butterfly(x, BM, BK, 1 << i)
+    return x
+
+
+@triton.jit
+def hadamard(x, signs_ptr, BM: tl.constexpr, BK: tl.constexpr, H: tl.constexpr, HSCALE: tl.constexpr,
+             HAS_SIGNS: tl.constexpr):
+    """Blockwise diag(s) H_n along the last dim: signs, butterflies of stride 1 .. H/2, one scale."""
+    return flush_subnormals(_signed_stages(x, signs_ptr, BM, BK, H, HAS_SIGNS, H) * HSCALE)
 
 
 @triton.jit
@@ -181,20 +179,7 @@ def hadamard_block_amax(x, signs_ptr, BM: tl.constexpr, BK: tl.constexpr, H: tl.
     trip through shared memory per tile).  Not yet scaled: the caller reduces further, then applies
     flush_subnormals(m * HSCALE) once -- both monotone in |v|, so they commute with the max (and a finite v
     stays finite, HSCALE < 1)."""
-    if HAS_SIGNS:
-        s = tl.load(signs_ptr + tl.arange(0, H))
-        x = tl.reshape(tl.reshape(x, [BM * BK // H, H]) * s[None, :], [BM, BK])
-    x = butterfly(x, BM, BK, 1)
-    x = butterfly(x, BM, BK, 2)
-    x = butterfly(x, BM, BK, 4)
-    if H > 16:
-        x = butterfly(x, BM, BK, 8)
-    if H > 32:
-        x = butterfly(x, BM, BK, 16)
-    if H > 64:
-        x = butterfly(x, BM, BK, 32)
-    if H > 128:
-        x = butterfly(x, BM, BK, 64)
+    x = _signed_stages(x, signs_ptr, BM, BK, H, HAS_SIGNS, H // 2)
     a, b = tl.split(tl.permute(tl.reshape(x, [BM * BK // H, 2, H // 2]), (0, 2, 1)))  # the last stage, S = H / 2
     return tl.maximum(finite_abs(a + b), finite_abs(a - b))
 
