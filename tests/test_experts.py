@@ -259,33 +259,37 @@ def test_set_fp8_gemms_moves_every_linear_and_experts_module_and_back():
     assert set(forms) == {("fp8", "fp8", "fp8")}
 
 
-def _grouped_vs_loop(arch, recipe, grouped, seed=0):
+def _grouped_vs_loop(arch, recipe, grouped, seed=0, dev="cpu"):
     """One bf16 training call of the first experts module on the fast path (interpreted on the CPU): output, dx
     and the 3D weight gradients, with the grouped GEMMs on or off."""
-    model = moe_model(arch, recipe).to(torch.bfloat16)
+    model = moe_model(arch, recipe).to(device=dev, dtype=torch.bfloat16)
     module = next(iter(experts_modules(model).values()))
     state = module.hf_fp4
     state.backend, state.grouped = "triton", grouped
     g = torch.Generator().manual_seed(seed)
-    x = (torch.randn(40, 64, generator=g) * torch.exp2(torch.randint(-3, 4, (40, 1), generator=g))).to(
-        torch.bfloat16).requires_grad_()
+    x = (torch.randn(40, 64, generator=g) * torch.exp2(torch.randint(-3, 4, (40, 1), generator=g))).to(torch.bfloat16)
     index, weights = routing(40, 4, 2, seed)
     index[5, 1] = 7  # an id past the experts (an expert-parallel sentinel): routed nowhere, by both paths
+    x = x.to(dev).requires_grad_()
     assert (state.grouped_reason(module, x) is None) == grouped
-    y = module(x, index, weights.to(torch.bfloat16))
-    (y.float() * torch.randn(y.shape, generator=g)).sum().backward()
+    y = module(x, index.to(dev), weights.to(device=dev, dtype=torch.bfloat16))
+    (y.float() * torch.randn(y.shape, generator=g).to(dev)).sum().backward()
     up = "gate_up_proj" if module.has_gate else "up_proj"
     return y.float(), x.grad.float(), getattr(module, up).grad.float(), module.down_proj.grad.float()
 
 
+GROUPED_DEVICES = ["cpu"] + [pytest.param("cuda", marks=pytest.mark.gpu)] * torch.cuda.is_available()
+
+
+@pytest.mark.parametrize("dev", GROUPED_DEVICES)
 @pytest.mark.parametrize("arch,recipe", [("mixtral", "mxfp4"), ("qwen3_moe", "mxfp4_dh"), ("olmoe", "mxfp4")])
-def test_grouped_expert_gemms_equal_the_per_expert_loop(arch, recipe):
+def test_grouped_expert_gemms_equal_the_per_expert_loop(arch, recipe, dev):
     """The grouped path (hf_fp4.nn.grouped: gathered expert segments, one operand call per tensor, grouped GEMMs)
     against the per-expert loop on the same bf16 module: the same operands bit for bit, so outputs and gradients
     differ only by the GEMMs' FP32 summation order and BF16 rounding -- far below the quantization error, which a
     wrong operand (a block straddling two experts, another expert's weight) would show."""
-    got = _grouped_vs_loop(arch, recipe, True)
-    want = _grouped_vs_loop(arch, recipe, False)
+    got = _grouped_vs_loop(arch, recipe, True, dev=dev)
+    want = _grouped_vs_loop(arch, recipe, False, dev=dev)
     for name, a, b in zip(("y", "dx", "dW_up", "dW_down"), got, want):
         scale = b.abs().max()
         assert scale > 0
