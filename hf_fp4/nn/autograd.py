@@ -34,7 +34,7 @@ def x_seeds(plan: LinearPlan, seeds: torch.Tensor) -> torch.Tensor:
     return seeds[0:2] if plan.seeded("x") else torch.zeros(2, dtype=seeds.dtype, device=seeds.device)
 
 
-def _tensor_operands(t, plan: LinearPlan, seeds, signs, mu, need, tensor, observer):
+def tensor_operands(t, plan: LinearPlan, seeds, signs, mu, need, tensor, observer):
     """Both orientations of one tensor (the second only when its GEMM will run); t as the layer got it (the
     operand layer reads [..., C] as [rows, C] without a reshape)."""
     pair = getattr(plan, tensor)
@@ -58,8 +58,8 @@ class FP4LinearFunction(torch.autograd.Function):
         # Layers that share an input (q/k/v, gate/up) and round it deterministically make identical operands of
         # it: with seeds that are the same constant for all of them (and shared sign vectors), torch.compile's
         # common-subexpression elimination quantizes x once for all of them.
-        ox, oxt = _tensor_operands(x, plan, x_seeds(plan, seeds), signs, mu, need[1], "x", observer)
-        ow, owt = _tensor_operands(weight, plan, seeds[2:4], signs, None, need[0], "w", observer)
+        ox, oxt = tensor_operands(x, plan, x_seeds(plan, seeds), signs, mu, need[1], "x", observer)
+        ow, owt = tensor_operands(weight, plan, seeds[2:4], signs, None, need[0], "w", observer)
         # fprop: y = Q(x) Q(W)^T    [T,K] @ [K,N] -> [T,N]
         if plan.forms[0] == "hp" and mu is None:
             y = nn.functional.linear(x2, weight, bias)  # quantization off: exactly nn.Linear
@@ -91,7 +91,7 @@ class FP4LinearFunction(torch.autograd.Function):
         owt = _operand(saved[ctx.n_x:ctx.n_x + ctx.n_w])
         dy2 = dy.reshape(-1, n)
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        ody, odyt = _tensor_operands(dy, plan, seeds[4:6], signs, None, need_dw, "dy", ctx.observer)
+        ody, odyt = tensor_operands(dy, plan, seeds[4:6], signs, None, need_dw, "dy", ctx.observer)
         dx = dw = db = None
         if need_dx:
             # dgrad: dx = Q(dy) Q(W^T)^T    [T,N] @ [N,K] -> [T,K]

@@ -21,11 +21,10 @@ from __future__ import annotations
 
 import torch
 
+from .autograd import ROLES, tensor_operands
 from .grouping import GroupLayout
-from .operands import LinearPlan, operands
+from .operands import LinearPlan
 from .recipe import GEMMS
-
-ROLES = {"x": ("fprop", "wgrad"), "w": ("fprop", "dgrad"), "dy": ("dgrad", "wgrad")}
 
 
 def grouped_reason(plan: LinearPlan, n: int, k: int, has_bias: bool, dtype: torch.dtype) -> str | None:
@@ -54,7 +53,8 @@ def grouped_reason(plan: LinearPlan, n: int, k: int, has_bias: bool, dtype: torc
 
 
 def _gemm_plans(plan: LinearPlan, gemm: str):
-    return [getattr(plan, t)[ROLES[t].index(gemm)] for t in ROLES if gemm in ROLES[t]]
+    """The operand plans of one GEMM (its two operands)."""
+    return [getattr(plan, t)[i] for t, roles in ROLES.items() for i, (g, _) in enumerate(roles) if g == gemm]
 
 
 def segment_align(plan: LinearPlan) -> int:
@@ -63,11 +63,10 @@ def segment_align(plan: LinearPlan) -> int:
 
 
 def _pair(t, plan: LinearPlan, tensor: str, signs, both: bool):
-    pair = getattr(plan, tensor)
-    s = tuple(signs[GEMMS.index(g)] for g in ROLES[tensor])
-    zero = torch.zeros(2, dtype=torch.int64, device=t.device)  # round to nearest: the seeds are not read
-    return operands(t, (pair[0], pair[1] if both else None), zero, s, key=plan.key(tensor, both),
-                    triton_ops=plan.triton_ops)
+    """Both orientations of t (the second when `both`), as FP4LinearFunction makes them; round to nearest, so the
+    seeds are not read."""
+    zero = torch.zeros(2, dtype=torch.int64, device=t.device)
+    return tensor_operands(t, plan, zero, signs, None, both, tensor, None)
 
 
 class GroupedFP4Function(torch.autograd.Function):
@@ -83,17 +82,15 @@ class GroupedFP4Function(torch.autograd.Function):
         # fprop: y = Q(x) Q(W_e)^T per segment    [R,K] @ [K,N] -> [R,N]
         y = torch._grouped_mm(ox.data[:rows, :k], ow.data[:e * n, :k].view(e, n, k).transpose(1, 2), offs=ends)
         ctx.plan, ctx.shape, ctx.w_dtype = plan, (e, n, k, rows), weight.dtype
-        none = xg.new_empty(0)
-        ctx.save_for_backward(ends, valid, *(s if s is not None else none for s in signs),
-                              oxt.data if oxt is not None else none, owt.data if owt is not None else none)
+        ctx.save_for_backward(ends, valid, *signs, oxt.data if oxt is not None else None,
+                              owt.data if owt is not None else None)
         return torch.where(valid[:, None], y, 0.0)
 
     @staticmethod
     def backward(ctx, dy):
         e, n, k, rows = ctx.shape
         ends, valid, *rest = ctx.saved_tensors
-        signs = tuple(s if s.numel() else None for s in rest[:len(GEMMS)])
-        xt, wt = rest[len(GEMMS):]
+        signs, (xt, wt) = tuple(rest[:len(GEMMS)]), rest[len(GEMMS):]
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         ody, odyt = _pair(dy.contiguous(), ctx.plan, "dy", signs, need_dw)
         dx = dw = None
