@@ -31,10 +31,12 @@ from hopper_compile import (OPERAND_CASES, compile_for_hopper, operand_kernel_ar
 
 from hf_fp4.kernels import operand as K  # noqa: E402
 
-#: Pairs beyond hopper_compile's: x of ufp4 (RHT-16 both ways), NVFP4's wgrad operand alone.
+#: Pairs beyond hopper_compile's: x of ufp4 (RHT-16 both ways), NVFP4's wgrad operand alone, NVFP4's weight pair.
 EXTRA_CASES = {
     "ufp4-both-bf16-rht16": (operand_plan("ufp4", "bf16", 16, True), operand_plan("ufp4", "bf16", 16, True, True)),
     "nvfp4-cols-bf16-rht16": (None, operand_plan("nvfp4", "bf16", 16, True)),
+    # NVFP4's weight pair: 16 x 16 blocks, both orientations from one quantization (fprop and dgrad)
+    "nvfp4_2d-both-bf16": (operand_plan("nvfp4_2d", "bf16"), operand_plan("nvfp4_2d", "bf16")),
 }
 
 
