@@ -37,7 +37,8 @@ def test_bench_rejects_unknown_parts_and_impls_before_running(tmp_path):
     without a word."""
     script = str(ROOT / "scripts" / "bench.py")
     for args, message in ((["--parts", "lin"], "unknown part(s) lin; valid: quant, linear"),
-                          (["--parts", "linear", "--impls", "bf16,hf_fp4:nvfp5"], "unknown impl(s) hf_fp4:nvfp5; valid:")):
+                          (["--parts", "linear", "--impls", "bf16,hf_fp4:nvfp5"],
+                           "unknown impl(s) hf_fp4:nvfp5; valid:")):
         run = subprocess.run([sys.executable, script, "--quick", "--out", str(tmp_path), *args], cwd=ROOT,
                              capture_output=True, text=True, timeout=120)
         assert run.returncode == 2 and message in run.stderr

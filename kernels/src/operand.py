@@ -35,9 +35,9 @@ from hf_fp4.numerics.operand_plan import Operand, OperandPlan, empty_operand, fp
 from hf_fp4.numerics.spec import Rounding
 
 from .launch import launcher
-from .numerics import (block_max, encode_factor, e8m0_exponent, expand_blocks, finite_abs,
-                       flush_subnormals, grid_constants, hadamard, hadamard_across, hadamard_block_amax, pow2, round_grid,
-                       sr_uniforms, tensor_encode_scale, ue4m3_block_scale)
+from .numerics import (block_max, encode_factor, e8m0_exponent, expand_blocks, finite_abs, flush_subnormals,
+                       grid_constants, hadamard, hadamard_across, hadamard_block_amax, pow2, round_grid, sr_uniforms,
+                       tensor_encode_scale, ue4m3_block_scale)
 from .quant import SCALE_CODES, load_tile
 
 
@@ -84,8 +84,9 @@ def _stats_across(t_ptr, R, C, s_r, s_c, mu_ptr, a_stat, a_signs, b_stat, b_sign
                   BR: tl.constexpr, BC: tl.constexpr, STEPS: tl.constexpr, HAS_MU: tl.constexpr, EVEN: tl.constexpr,
                   A_STAT: tl.constexpr, A_H: tl.constexpr, A_HSCALE: tl.constexpr, A_SIGNS: tl.constexpr,
                   B_STAT: tl.constexpr, B_H: tl.constexpr, B_HSCALE: tl.constexpr, B_SIGNS: tl.constexpr):
-    """The stats pass when B has a Hadamard and A needs at most its tensor amax (NVFP4's x and dy: RHT-16 on the
-    wgrad orientation only; UFP4's x, dy and W: RHT-16 both ways): each row tile is read as B_H tiles of BR / B_H
+    """The stats pass when B has a Hadamard and A needs its tensor amax, rotated or not, or its per-row amax without
+    a Hadamard (stats_across(): NVFP4's x and dy, RHT-16 on the wgrad orientation only; UFP4's x, dy and W, RHT-16
+    both ways; mxfp4_dh's x, H-32 on the wgrad orientation): each row tile is read as B_H tiles of BR / B_H
     rows, xs[i] = rows r0 + g * B_H + i, so that B's rotation (along t's rows) is elementwise between them
     (hadamard_across).  A's rotation (along t's columns) runs inside each of those tiles and is reduced where its
     last butterfly stage leaves it (hadamard_block_amax): UFP4's x went from _stats_tiles' 9 conversions, 42
@@ -93,11 +94,9 @@ def _stats_across(t_ptr, R, C, s_r, s_c, mu_ptr, a_stat, a_signs, b_stat, b_sign
     Triton 3.6), and its x pair's operands (both passes, 8192^2) from 0.489 to 0.337 ms on the H200.  A's per-row
     amax (mxfp4_dh's x: E8M0 scales folded into FP8, H-32 on the wgrad orientation) is reduced from a second load
     of the whole row tile (an L1 / L2 hit): 8 conversions, 17 barriers and ~100 shared-memory accesses -> 2, 5 and
-    9 (untimed).
-    On sm_90 (tests/hopper_compile.py, Triton 3.6) the transpose and butterfly stages of _stats_tiles were six
-    layout conversions through 16 KiB of shared memory at 128 registers; this is none, 2 KiB, 75 registers.
-    (A with a Hadamard or per-row statistics would need a reduction per row tile of the B_H: more shared-memory
-    rounds than it saves -- those pairs stay on _stats_tiles.)"""
+    9 (untimed).  For NVFP4's x / dy (A plain) the transpose and butterfly stages of _stats_tiles were six layout
+    conversions through 16 KiB of shared memory at 128 registers; this is none, 2 KiB, 75 registers.  (A's
+    per-row amax with a Hadamard would need a reduction per row tile of the B_H: those pairs stay on _stats_tiles.)"""
     G: tl.constexpr = BR // B_H
     g = tl.arange(0, G)
     plain = tl.zeros([G, BC], dtype=tl.float32)  # |t| for A's tensor amax, elementwise
@@ -307,13 +306,14 @@ def _interleave(vs, H: tl.constexpr, G: tl.constexpr, BC: tl.constexpr):
 def _emit_across(xs, row0, cols, first_tile, out_ptr, n_rows, n_cols, stat_ptr, scale_ptr, seed_ptr, signs_ptr,
                  side_ptr, eb_ptr, flag_ptr, KP, G: tl.constexpr, BC: tl.constexpr, N: tl.constexpr,
                  GRID: tl.constexpr, QMAX: tl.constexpr, QM: tl.constexpr, QE: tl.constexpr, EMAX: tl.constexpr,
-                 SCALE: tl.constexpr, SR: tl.constexpr, ROTATE: tl.constexpr, HSCALE: tl.constexpr, HAS_SIGNS: tl.constexpr,
-                 FP8: tl.constexpr, SHIFT: tl.constexpr, DMAX: tl.constexpr, EVEN: tl.constexpr,
-                 INTERPRETED: tl.constexpr):
+                 SCALE: tl.constexpr, SR: tl.constexpr, ROTATE: tl.constexpr, HSCALE: tl.constexpr,
+                 HAS_SIGNS: tl.constexpr, FP8: tl.constexpr, SHIFT: tl.constexpr, DMAX: tl.constexpr,
+                 EVEN: tl.constexpr, INTERPRETED: tl.constexpr):
     """_emit for the orientation whose blocks run along t's rows (B: rows = t's columns, 1 x N blocks along t's
-    rows; ROTATE: an N Hadamard, else none), from the N row tiles xs[i] = t[row0 + g * N + i, cols] ([G, BC]): the rotation, the
-    block amax (elementwise over the tuple: a block is one (g, c)), scaling and rounding need no transpose;
-    the values are transposed once, for the store (_interleave).  Bit-identical to _emit on the transposed tile."""
+    rows; ROTATE: an N Hadamard, else none), from the N row tiles xs[i] = t[row0 + g * N + i, cols] ([G, BC]):
+    the rotation, the block amax (elementwise over the tuple: a block is one (g, c)), scaling and rounding need
+    no transpose; the values are transposed once, for the store (_interleave).  Bit-identical to _emit on the
+    transposed tile."""
     if ROTATE:
         ys = hadamard_across(xs, signs_ptr, N, HSCALE, HAS_SIGNS)
     else:
@@ -483,8 +483,7 @@ def across(b: OperandPlan | None) -> bool:
     x 7 / 27 -> 3 / 17, mxfp4_dh's (H-32) 21 / 41 -> 11 / 25 and no stack; without a Hadamard, mxfp4's FP8 x / dy
     / W pairs 19 / 43 and 124 registers -> 11 / 25 and 76 (the byte-wise shared-memory transpose of its FP8 values
     gone), NVFP4's lone wgrad operand 1 / 4 -> 1 / 1 (the last two untimed)."""
-    return (b is not None and b.spec.block[0] == 1 and b.spec.block[1] in (16, 32) and b.spec.block[1] <= ACROSS_MAX
-            and b.hadamard in (0, b.spec.block[1]))
+    return b is not None and b.spec.block[0] == 1 and b.spec.block[1] in (16, 32) and b.hadamard in (0, b.spec.block[1])
 
 
 def stats_across(a: OperandPlan | None, b: OperandPlan | None) -> bool:
