@@ -13,7 +13,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from hf_fp4 import QuantSpec
-from hf_fp4.kernels import attention, gemm, operand, sharq
+from hf_fp4.kernels import attention, gemm, grouped_gemm, operand, sharq
 from hf_fp4.kernels.numerics import grid_constants
 from hf_fp4.kernels.quant import SCALE_CODES
 from hf_fp4.numerics.operand_plan import OperandPlan
@@ -56,13 +56,13 @@ OPERAND_CASES = {
 SIZES = ("R", "C", "s_r", "a_rows", "a_cols", "b_rows", "b_cols", "a_kp", "b_kp")
 
 
-def operand_kernel_args(a: OperandPlan | None, b: OperandPlan | None):
+def operand_kernel_args(a: OperandPlan | None, b: OperandPlan | None, grouped: bool = False):
     """(types, constexprs, warps, divisible) of the operand kernel for a contiguous, 16-aligned launch (the
-    column stride a constant 1, as the JIT specialises it)."""
+    column stride a constant 1, as the JIT specialises it); grouped: rows in groups (the grouped expert GEMMs)."""
     (br, bc, warps, *reload), _, consts, _ = operand._launch_config((a, b), None)
     constexprs = dict(BR=br, BC=bc, HAS_MU=False, EVEN=True, INTERPRETED=False, RELOAD=bool(reload and reload[0]),
-                      s_c=1, **consts)
-    types = {"t_ptr": "*bf16", "mu_ptr": "*fp32"}
+                      GROUPED=grouped, s_c=1, **consts)
+    types = {"t_ptr": "*bf16", "mu_ptr": "*fp32", "grp_ids": "*i32", "grp_starts": "*i32", "grp_kp": "*i32"}
     for prefix, p in (("a_", a), ("b_", b)):
         fp8 = p is not None and p.form == "fp8"
         types.update({prefix + "out": "*u8" if fp8 else "*bf16", prefix + "stat": "*fp32",
@@ -107,12 +107,53 @@ def stats_kernel_args(a: OperandPlan | None, b: OperandPlan | None, steps: int =
     return types, constexprs, warps, divisible
 
 
+#: Grouped operand pairs (the grouped expert GEMMs): NVFP4's x / dy (SR + RHT-16 on the wgrad orientation), its
+#: 16 x 16 weight pair, UFP4's dy (SR, RHT-16 both ways), and a B of H-64 on whole tiles (_emit's groups along the
+#: contraction, SR).
+GROUPED_OPERAND_CASES = {
+    "nvfp4-both-bf16-sr-rht16": OPERAND_CASES["nvfp4-both-bf16-sr-rht16"],
+    "nvfp4_2d-both-bf16": (operand_plan("nvfp4_2d", "bf16"), operand_plan("nvfp4_2d", "bf16")),
+    "ufp4-both-bf16-sr-rht16": (operand_plan("ufp4", "bf16", 16, True, True),
+                                operand_plan("ufp4", "bf16", 16, True, True)),
+    "nvfp4-cols-bf16-sr-h64": (None, operand_plan("nvfp4", "bf16", 64, False, True)),
+}
+
+
+def group_stats_kernel_args(a: OperandPlan | None, b: OperandPlan | None):
+    """(types, constexprs, warps, divisible) of the grouped stats pass."""
+    _, (br, bc, warps), _, flags = operand._launch_config((a, b), None)
+    constexprs = dict(BR=br, BC=bc, EVEN=True, CH=operand.GROUP_ROWS, s_c=1, **{k: v for k, v in flags.items() if k != "ACROSS"})
+    types = {"t_ptr": "*bf16", "ids_ptr": "*i32", **{p: "*fp32" for p in ("a_stat", "a_signs", "b_stat", "b_signs")}}
+    params = inspect.signature(operand._group_stats_kernel.fn).parameters
+    divisible = [p for p in params if p not in constexprs and (types.get(p, "").startswith("*") or p in SIZES)]
+    return types, constexprs, warps, divisible
+
+
+def grouped_gemm_cases():
+    bm, bn, bk, warps, _ = grouped_gemm.TILE
+    consts = dict(BM=bm, BN=bn, BK=bk, SCALED=True, OUT_BF16=True, INTERPRETED=False)
+    types = {"a_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "ends_ptr": "*i32", "a_scale": "*fp32",
+             "b_scale": "*fp32"}
+    for label, kernel in (("rows", grouped_gemm._grouped_rows_kernel),
+                          ("contraction", grouped_gemm._grouped_contraction_kernel)):
+        params = inspect.signature(kernel.fn).parameters
+        divisible = [p for p in params if p not in consts and (types.get(p, "").startswith("*")
+                                                               or p in ("lda", "ldb", "ld_out", "N", "K", "M"))]
+        yield f"grouped-gemm-{label}", kernel, types, consts, warps, divisible
+
+
 def cases():
     for label, (a, b) in OPERAND_CASES.items():
         types, constexprs, warps, divisible = operand_kernel_args(a, b)
         yield f"operand-{label}", operand._operand_kernel, types, constexprs, warps, divisible
         if any(p is not None and p.stat for p in (a, b)):
             yield f"stats-{label}", operand._stats_kernel, *stats_kernel_args(a, b)
+    for label, (a, b) in GROUPED_OPERAND_CASES.items():
+        types, constexprs, warps, divisible = operand_kernel_args(a, b, grouped=True)
+        yield f"grouped-operand-{label}", operand._operand_kernel, types, constexprs, warps, divisible
+        if any(p is not None and p.stat for p in (a, b)):
+            yield f"grouped-stats-{label}", operand._group_stats_kernel, *group_stats_kernel_args(a, b)
+    yield from grouped_gemm_cases()
     yield ("scale-output", gemm._scale_cast_kernel, {"src_ptr": "*fp32", "dst_ptr": "*bf16", "a_scale_ptr": "*fp32",
            "b_scale_ptr": "*fp32"}, dict(BLOCK=gemm.SCALE_CAST_BLOCK, EVEN=True), 8)
     for tc, t in ((True, "*bf16"), (False, "*fp32")):

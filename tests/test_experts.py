@@ -282,7 +282,9 @@ GROUPED_DEVICES = ["cpu"] + [pytest.param("cuda", marks=pytest.mark.gpu)] * torc
 
 
 @pytest.mark.parametrize("dev", GROUPED_DEVICES)
-@pytest.mark.parametrize("arch,recipe", [("mixtral", "mxfp4"), ("qwen3_moe", "mxfp4_dh"), ("olmoe", "mxfp4")])
+@pytest.mark.parametrize("arch,recipe", [("mixtral", "mxfp4"), ("qwen3_moe", "mxfp4_dh"), ("olmoe", "mxfp4"),
+                                         ("mixtral", "nvfp4"), ("qwen3_moe", "ufp4"), ("olmoe", "nvfp4"),
+                                         ("mixtral", "tib")])
 def test_grouped_expert_gemms_equal_the_per_expert_loop(arch, recipe, dev):
     """The grouped path (hf_fp4.nn.grouped: gathered expert segments, one operand call per tensor, grouped GEMMs)
     against the per-expert loop on the same bf16 module: the same operands bit for bit, so outputs and gradients
@@ -299,24 +301,30 @@ def test_grouped_expert_gemms_equal_the_per_expert_loop(arch, recipe, dev):
 
 
 def test_grouped_path_is_taken_only_where_it_is_bit_identical():
-    """nvfp4 (per-expert tensor amax, SR) and fp32 activations keep the loop; the reason names the cause."""
-    model = moe_model("mixtral", "nvfp4").to(torch.bfloat16)
-    module = next(iter(experts_modules(model).values()))
-    module.hf_fp4.backend = "triton"
+    """Two-level formats and SR take the grouped path (their operands per expert group); mean-bias removal, FP32
+    activations and the reference backend keep the loop, and the reason names the cause."""
     x = torch.zeros(4, 64, dtype=torch.bfloat16)
-    assert "tensor amax" in module.hf_fp4.grouped_reason(module, x)
+    for recipe in ("nvfp4", "ufp4", "tib"):
+        module = next(iter(experts_modules(moe_model("mixtral", recipe).to(torch.bfloat16)).values()))
+        module.hf_fp4.backend = "triton"
+        assert module.hf_fp4.grouped_reason(module, x) is None, recipe
+    module = next(iter(experts_modules(moe_model("mixtral", "nvfp4", mean_bias_removal=True)).values()))
+    module.hf_fp4.backend = "triton"
+    assert "mean-bias" in module.hf_fp4.grouped_reason(module, x)
     model = moe_model("mixtral", "mxfp4")
     module = next(iter(experts_modules(model).values()))
     module.hf_fp4.backend = "triton"
     assert "float32" in module.hf_fp4.grouped_reason(module, torch.zeros(4, 64))
     module.hf_fp4.backend = "reference"
-    assert module.hf_fp4.grouped_reason(module, torch.zeros(4, 64, dtype=torch.bfloat16)) == "the reference backend"
+    assert module.hf_fp4.grouped_reason(module, x) == "the reference backend"
 
 
-def test_grouped_experts_compile_with_fullgraph_and_equal_eager():
+@pytest.mark.parametrize("recipe", ["mxfp4", "nvfp4"])
+def test_grouped_experts_compile_with_fullgraph_and_equal_eager(recipe):
     """The grouped path has no host read of the routing: torch.compile(fullgraph=True) traces the experts
-    forward and backward (aot_eager on the CPU), bit-equal to eager over the same step."""
-    model = moe_model("mixtral", "mxfp4").to(torch.bfloat16)
+    forward and backward (aot_eager on the CPU) -- torch's grouped GEMMs (mxfp4) or hf_fp4's with per-expert scales
+    (nvfp4, SR) -- bit-equal to eager over the same step."""
+    model = moe_model("mixtral", recipe).to(torch.bfloat16)
     module = next(iter(experts_modules(model).values()))
     module.hf_fp4.backend = "triton"
     x = torch.randn(40, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)

@@ -620,3 +620,96 @@ def test_stats_pass_rotated_amax_sits_in_any_output_of_a_block(monkeypatch, name
     spec = QuantSpec.preset(name)
     plans = (plan_for(spec, form, 16, True), plan_for(spec, form, 16, True))
     assert_operands_exact(t.to(DEV), plans, torch.tensor([3, 4], device=DEV), tuple(s.to(DEV) for s in signs))
+
+
+# ------------------------------------------------------------------------------------------------
+# Grouped operands and GEMMs (issue 16): a tensor's rows in groups, each quantized as a tensor of its own.
+def _grouped_rows_case(counts, cols, align, seed):
+    """Rows of experts' segments (each padded with zero rows to `align`, then 32 rows past them): t, RowGroups
+    pieces (ids, starts) and the segments' starts."""
+    g = torch.Generator().manual_seed(seed)
+    seg = [-(-c // align) * align for c in counts]
+    starts = [sum(seg[:i]) for i in range(len(counts))]
+    t = torch.zeros(sum(seg) + 32, cols)
+    ids = torch.zeros(t.shape[0], dtype=torch.int32)
+    for e, (s, c, n) in enumerate(zip(starts, counts, seg)):
+        scale = 2.0 ** float(torch.randint(-6, 7, (), generator=g))  # each expert its own magnitude
+        t[s:s + c] = torch.randn(c, cols, generator=g) * scale
+        ids[s:s + n] = e
+    return t.to(torch.bfloat16), ids, starts
+
+
+# (QuantSpec preset, A's Hadamard, B's Hadamard, SR): two-level 1D / 2D, B across row tiles (H 0, 16, 32) or on
+# whole tiles (H 64), SR on E8M0 and two-level scales
+GROUPED_OPERAND_CASES = [("nvfp4", 0, 16, True), ("nvfp4_2d", 0, 0, False), ("ufp4", 16, 16, True),
+                         ("mxfp4", 0, 32, True), ("nvfp4", 16, 64, True)]
+
+
+@pytest.mark.parametrize("name,h_a,h_b,sr", GROUPED_OPERAND_CASES, ids=str)
+def test_grouped_operands_are_each_groups_reference_operands(name, h_a, h_b, sr):
+    """One grouped call makes, for every group, the reference operands of that group's rows as a tensor of its
+    own -- its tensor amax, its seed, SR coordinates from its first row and its own padded length -- in both
+    orientations, bit for bit (an empty group included)."""
+    from hf_fp4.kernels.operand import triton_operands
+    from hf_fp4.numerics.operand_plan import RowGroups
+
+    spec = QuantSpec.preset(name)
+    spec = dataclasses.replace(spec, rounding="stochastic") if sr else spec
+    pa, pb = OperandPlan.single(spec, "bf16", h_a, h_a == 16), OperandPlan.single(spec, "bf16", h_b, h_b == 16)
+    counts = [37, 0, 16, 70]
+    t, ids, starts = _grouped_rows_case(counts, 64, pb.k_align, seed=h_a + h_b)
+    signs = (seeded_signs(16, 1) if h_a == 16 else None, seeded_signs(16, 2) if h_b == 16 else None)
+    seeds = torch.randint(-2**40, 2**40, (len(counts), 2), generator=torch.Generator().manual_seed(3))
+    groups = RowGroups(ids.to(DEV), torch.tensor(starts, dtype=torch.int32, device=DEV),
+                       torch.tensor([pb.k_padded(c) for c in counts], dtype=torch.int32, device=DEV))
+    oa, ob = triton_operands(t.to(DEV), (pa, pb), seeds.to(DEV), tuple(s.to(DEV) if s is not None else None
+                                                                       for s in signs), groups=groups)
+    two_level = spec.scale.value == "ue4m3_fp32"
+    assert oa.scale.shape == ((len(counts),) if two_level else (1,))
+    for e, (s, c) in enumerate(zip(starts, counts)):
+        if c == 0:
+            continue
+        rows = t[s:s + c].float()
+        for op, plan, view, sign, i in ((oa, pa, rows, signs[0], 0), (ob, pb, rows.t(), signs[1], 1)):
+            ref = reference_operand(view, plan, int(seeds[e, i]), sign).data
+            data = op.data[s:s + c] if i == 0 else op.data[:, s:]
+            got = data[:ref.shape[0], :ref.shape[1]].float().cpu() * (op.scale[e] if two_level else op.scale).cpu()
+            torch.testing.assert_close(got, ref, atol=0, rtol=0, msg=lambda m: f"group {e}, orientation {i}: {m}")
+
+
+def _exact_case(shape, g):
+    """BF16 values whose products and sums are exact in FP32 (small integers times 1/4): any summation order gives
+    the same FP32 accumulator."""
+    return (torch.randint(-6, 7, shape, generator=g).float() / 4).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("scaled", [True, False])
+def test_grouped_gemms_are_each_segments_product_scaled_and_rounded_once(scaled):
+    """grouped_rows (fprop: stacked weights' rows; dgrad: W^T's columns) and grouped_contraction (wgrad) against
+    each segment's product in float64, times the segment's two FP32 scales in FP32, rounded once to BF16: bit for
+    bit (exact sums), empty segments included; rows past the last segment untouched."""
+    from hf_fp4.kernels.grouped_gemm import grouped_contraction, grouped_rows
+
+    g = torch.Generator().manual_seed(0)
+    e, n, k = 3, 40, 48
+    bounds = [0, 16, 16, 96]
+    ends = torch.tensor(bounds[1:], dtype=torch.int32, device=DEV)
+    sa, sb = (torch.exp2(torch.randn(e, generator=g) * 8).to(DEV) for _ in range(2)) if scaled else (None, None)
+
+    def expect(acc, i):
+        acc = acc.float()
+        return (acc * (sa[i] * sb[i]).cpu() if scaled else acc).to(torch.bfloat16)
+
+    x, w, dy = _exact_case((112, k), g), _exact_case((e * n, k), g), _exact_case((112, n), g)
+    y = grouped_rows(x.to(DEV), w.to(DEV), ends, n, k, n * k, sa, sb,
+                     out=torch.full((112, n), 7.0, dtype=torch.bfloat16, device=DEV)).cpu()
+    wt = w.t().contiguous()
+    dx = grouped_rows(dy.to(DEV), wt.to(DEV), ends, k, n, n, sa, sb).cpu()
+    dw = grouped_contraction(dy.t().contiguous().to(DEV), x.t().contiguous().to(DEV), ends, n, k, sa, sb).cpu()
+    assert torch.all(y[96:] == 7.0)
+    for i in range(e):
+        s, t = bounds[i], bounds[i + 1]
+        w_e = w[i * n:(i + 1) * n].double()
+        assert torch.equal(y[s:t], expect(x[s:t].double() @ w_e.t(), i)), f"fprop segment {i}"
+        assert torch.equal(dx[s:t], expect(dy[s:t].double() @ w_e, i)), f"dgrad segment {i}"
+        assert torch.equal(dw[i], expect(dy[s:t].double().t() @ x[s:t].double(), i)), f"wgrad expert {i}"

@@ -34,13 +34,14 @@ def x_seeds(plan: LinearPlan, seeds: torch.Tensor) -> torch.Tensor:
     return seeds[0:2] if plan.seeded("x") else torch.zeros(2, dtype=seeds.dtype, device=seeds.device)
 
 
-def tensor_operands(t, plan: LinearPlan, seeds, signs, mu, need, tensor, observer):
+def tensor_operands(t, plan: LinearPlan, seeds, signs, mu, need, tensor, observer, groups=None):
     """Both orientations of one tensor (the second only when its GEMM will run); t as the layer got it (the
-    operand layer reads [..., C] as [rows, C] without a reshape)."""
+    operand layer reads [..., C] as [rows, C] without a reshape).  groups: its rows in groups quantized as separate
+    tensors (RowGroups; seeds [E, 2])."""
     pair = getattr(plan, tensor)
     plans = (pair[0], pair[1] if need else None)
     s = tuple(signs[GEMMS.index(g)] for g, _ in ROLES[tensor])
-    ops = operands(t, plans, seeds, s, mu, plan.key(tensor, need), plan.triton_ops)
+    ops = operands(t, plans, seeds, s, mu, plan.key(tensor, need), plan.triton_ops, groups)
     if observer is not None:
         t = t.reshape(-1, t.shape[-1])
         observer(tensor, t if mu is None else t.float() - mu, plans, ops, signs)

@@ -15,8 +15,9 @@ separate nn.Linear would.  The router is a module of its own (an nn.Linear, or a
 Parameter) and is left to the linear swap's rules: Transformers' routers are not nn.Linear, so they stay
 in high precision.  The loop over experts reads the routing counts on the host; on CUDA each expert's GEMMs
 run on the fast path of FP4Linear (Triton operand kernels, exact FP8 / BF16 GEMMs), one expert at a time --
-except where grouped GEMMs give the loop's operands bit for bit (hf_fp4.nn.grouped: E8M0 formats rounded to
-nearest, today mxfp4 / mxfp4_dh / mxfp8): all experts at once, no host synchronisation.
+except where grouped GEMMs give the loop's operands bit for bit (hf_fp4.nn.grouped: every BF16-form recipe --
+nvfp4, ufp4, and the MX family with ExpertsFP4.fp8_gemms off or on, whose grouped GEMMs run in BF16): all
+experts at once, no host synchronisation.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from . import linear as _linear
 from .autograd import FP4LinearFunction, output_dtype
 from .grouped import grouped_projection, grouped_reason, segment_align
 from .grouping import group_layout
-from .linear import FP4Linear, _crc, _notify, hadamard_signs, seed_bases
+from .linear import FP4Linear, _crc, _notify, _shared_tensor, hadamard_signs, seed_bases, step_value
 from ..numerics.formats import ELEMENT_BITS
 from .operands import BACKENDS, LinearPlan, plans_by_backend
 from .packing import packed_shapes, stored_scales
@@ -56,6 +57,10 @@ class ExpertsFP4:
         self._bases = torch.tensor([[seed_bases(seed, f"{name}.{p}.{e}") for e in range(num_experts)]
                                     for p in projections], dtype=torch.int64, device="cpu")  # [P, E, 6]
         self._rht_base = _crc(seed, name, "rht")
+        # fixed sign vectors computed here, eagerly, as FP4Linear's (torch.Generator does not trace)
+        self._signs_cpu = {g: hadamard_signs(recipe, g, seed, self._rht_base) for g in GEMMS
+                           if recipe.gemm(g).hadamard.kind is not HadamardKind.RANDOM_PER_STEP}
+        self.place_signs("cpu")
         # on the CPU even under a meta-device context (from_pretrained); moved to the input's device at first use
         self.step = torch.zeros((), dtype=torch.int64, device="cpu")
 
@@ -107,14 +112,19 @@ class ExpertsFP4:
     def sr_calls(self, value: int) -> None:
         self.step.fill_(int(value))
 
+    def place_signs(self, device) -> None:
+        """The fixed sign vectors on `device` (eagerly, whenever the step counter moves)."""
+        self._fixed_signs = {g: _shared_tensor(s, device) if s is not None else None
+                             for g, s in self._signs_cpu.items()}
+
     def signs(self, step: torch.Tensor) -> tuple:
         """Each GEMM's Hadamard sign vector (or None) on the step counter's device."""
         out = []
         for g in GEMMS:
-            s = None
-            if self.recipe.gemm(g).hadamard.kind is not HadamardKind.NONE:
-                s = hadamard_signs(self.recipe, g, self.seed, self._rht_base, step)
-            out.append(s.to(step.device) if s is not None else None)
+            if g in self._fixed_signs:
+                out.append(self._fixed_signs[g])
+            else:
+                out.append(hadamard_signs(self.recipe, g, self.seed, self._rht_base, step).to(step.device))
         return tuple(out)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, seeds: torch.Tensor,
@@ -138,15 +148,17 @@ def fp4_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Te
     if state.step.device != hidden_states.device:
         state.step = state.step.to(hidden_states.device)
         state._bases = state._bases.to(hidden_states.device)
+        state.place_signs(hidden_states.device)
     training = torch.is_grad_enabled()
-    step = state.step
+    step = step_value(state.step)
     seeds = state._bases + step * STEP_MIX
     signs = state.signs(step)
     if training:
-        step.add_(1)
+        state.step.add_(1)
     up_name = "gate_up_proj" if self.has_gate else "up_proj"
     if state.grouped_reason(self, hidden_states) is None:
-        return _grouped_experts_forward(self, state, hidden_states, top_k_index, top_k_weights, signs, training)
+        return _grouped_experts_forward(self, state, hidden_states, top_k_index, top_k_weights, seeds, signs,
+                                        training)
     p_up, p_down = state.projections.index(up_name), state.projections.index("down_proj")
     num_experts = seeds.shape[1]
     k = top_k_index.shape[-1]
@@ -176,18 +188,24 @@ def fp4_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Te
     return out.to(hidden_states.dtype)
 
 
-def _grouped_experts_forward(self, state: ExpertsFP4, hidden_states, top_k_index, top_k_weights, signs, training):
-    """fp4_experts_forward on grouped GEMMs: every expert's rows in one gathered tensor (hf_fp4.nn.grouped)."""
+def _grouped_experts_forward(self, state: ExpertsFP4, hidden_states, top_k_index, top_k_weights, seeds, signs,
+                             training):
+    """fp4_experts_forward on grouped GEMMs: every expert's rows in one gathered tensor (hf_fp4.nn.grouped);
+    seeds [P, E, 6], each (projection, expert)'s as the loop's."""
     up_name = "gate_up_proj" if self.has_gate else "up_proj"
     w_up, w_down = getattr(self, up_name), self.down_proj
     if self.is_transposed:
         w_up, w_down = w_up.transpose(1, 2), w_down.transpose(1, 2)
     plan = state.grouped_plan
+    p_up, p_down = state.projections.index(up_name), state.projections.index("down_proj")
     layout = group_layout(top_k_index, w_down.shape[0], segment_align(plan))
     xg = layout.gather(hidden_states.to(output_dtype(hidden_states)))
-    h = grouped_projection(layout, xg, w_up, signs, plan, training)
+    h = grouped_projection(layout, xg, w_up, seeds[p_up], signs, plan, training)
     h = self._apply_gate(h) if self.has_gate else self.act_fn(h)
-    y = grouped_projection(layout, h, w_down, signs, plan, training)
+    # the padding rows stay zero whatever act(0) is: the down projection's per-expert amax and wgrad blocks see
+    # only the expert's tokens, as in the loop
+    h = torch.where(layout.valid[:, None], h, 0.0)
+    y = grouped_projection(layout, h, w_down, seeds[p_down], signs, plan, training)
     if getattr(self, "has_post_expert_norm", False):
         y = self.post_expert_norm(y)
     return layout.combine(y, top_k_weights, hidden_states.shape[0]).to(hidden_states.dtype)

@@ -1,21 +1,23 @@
-"""Grouped expert GEMMs (issue 16's fast path, first part): all experts of a projection in one operand call per
-tensor and one grouped GEMM per product, instead of a loop over experts with a host-read routing.
+"""Grouped expert GEMMs (issue 16's fast path): all experts of a projection in one operand call per tensor and
+one grouped GEMM per product, instead of a loop over experts with a host-read routing.
 
 The routed (token, slot) pairs are gathered into expert segments aligned to the wgrad operands' blocks
 (hf_fp4.nn.grouping); then, with W the projection's weights stacked as [E * N, K]:
 
-    fprop: y  = Q(x)    Q(W_e)^T       per segment   torch._grouped_mm, offsets along the rows
-    dgrad: dx = Q(dy)   Q(W_e^T)^T     per segment   torch._grouped_mm, offsets along the rows
-    wgrad: dW_e = Q(dy_e^T) Q(x_e^T)^T per expert    torch._grouped_mm, offsets along the contraction
+    fprop: y  = Q(x)    Q(W_e)^T       per segment   offsets along the rows
+    dgrad: dx = Q(dy)   Q(W_e^T)^T     per segment   offsets along the rows
+    wgrad: dW_e = Q(dy_e^T) Q(x_e^T)^T per expert    offsets along the contraction
 
-Bit-identical operands to the per-expert loop (the spec: ExpertsFP4.linear on each expert's rows) hold where
-no operand depends on more than its own block: E8M0 block scales (no tensor amax, which would be per expert),
-the BF16 operand form (no per-row FP8 reference exponent), round to nearest (the loop draws each expert's SR
-noise from its own seeds and coordinates), and N and K multiples of every GEMM's alignment (the stacked
-weights' blocks and Hadamard blocks then never straddle two experts).  `grouped_reason` names what breaks
-that for a layer; such layers keep the loop.  So today: mxfp4 and mxfp4_dh (and mxfp8), in BF16 GEMMs with FP32
-accumulation, outputs rounded once to BF16 -- equal to the loop's within FP32 accumulation error.  Two-level
-formats (per-expert tensor scales), SR and FP8 GEMMs are still the loop's.
+Each tensor's operands are made by one call whose rows are in groups (RowGroups: the experts' segments of x and
+dy, the experts' N rows of W), each group quantized as the per-expert loop (the spec: ExpertsFP4.linear on each
+expert's rows) quantizes that expert's tensor: its own tensor amax (NVFP4 / UFP4's two-level scales), its own SR
+stream (the expert's seeds, coordinates from the segment's first row, the segment's padded length) -- so the
+operands are the loop's bit for bit (tests/test_experts.py, tests/test_kernels.py).  GEMMs: E8M0 formats
+(mxfp4, mxfp4_dh, mxfp8: no tensor scale) on torch._grouped_mm; the two-level formats on hf_fp4.kernels'
+grouped_gemm, which applies each expert's pair of FP32 tensor scales to the FP32 accumulator before the one
+rounding to BF16, as the loop's GEMM does.  Both accumulate in FP32 on the BF16 tensor cores: outputs equal to
+the loop's within FP32 accumulation error.  `grouped_reason` names what keeps a layer on the loop (FP8 GEMMs,
+biases, mean-bias removal, FP32 activations, dims off the alignment).
 """
 from __future__ import annotations
 
@@ -23,12 +25,12 @@ import torch
 
 from .autograd import ROLES, tensor_operands
 from .grouping import GroupLayout
-from .operands import LinearPlan
+from .operands import TRITON_OPS, LinearPlan, OperandPlan, RowGroups
 from .recipe import GEMMS
 
 
 def grouped_reason(plan: LinearPlan, n: int, k: int, has_bias: bool, dtype: torch.dtype) -> str | None:
-    """Why one projection (weights [E, n, k]) cannot take the grouped path bit-identically, or None."""
+    """Why one projection (weights [E, n, k]) cannot take the grouped path, or None."""
     if not hasattr(torch, "_grouped_mm"):
         return "this torch has no _grouped_mm"
     if dtype != torch.bfloat16:
@@ -41,10 +43,6 @@ def grouped_reason(plan: LinearPlan, n: int, k: int, has_bias: bool, dtype: torc
         for p in getattr(plan, name):
             if p is None or p.form != "bf16":
                 return f"a {p.form if p else 'missing'} operand ({name}): the grouped path runs BF16 operands"
-            if p.stat:
-                return f"{p.spec.scale.value} scales need a per-expert tensor amax ({name})"
-            if p.stochastic:
-                return f"stochastic rounding ({name}): the per-expert loop draws per expert"
     for g, dim in (("fprop", k), ("dgrad", n)):
         align = max(p.k_align for p in _gemm_plans(plan, g))
         if dim % align:
@@ -62,51 +60,146 @@ def segment_align(plan: LinearPlan) -> int:
     return max(16, *(p.k_align for p in _gemm_plans(plan, "wgrad")))
 
 
-def _pair(t, plan: LinearPlan, tensor: str, signs, both: bool):
-    """Both orientations of t (the second when `both`), as FP4LinearFunction makes them; round to nearest, so the
-    seeds are not read."""
-    zero = torch.zeros(2, dtype=torch.int64, device=t.device)
-    return tensor_operands(t, plan, zero, signs, None, both, tensor, None)
+def _per_group(pair) -> bool:
+    """Whether a tensor's operands depend on its group beyond its own blocks (tensor amax, SR)."""
+    return any(p is not None and (p.stat == 2 or p.stochastic) for p in pair)
+
+
+def _padded(rows: torch.Tensor, p: OperandPlan | None) -> torch.Tensor:
+    """OperandPlan.k_padded of each group's row count, int32 (the transposed orientation's SR coordinates)."""
+    if p is None:
+        return torch.zeros_like(rows, dtype=torch.int32)
+    h, block = p.hadamard or 1, p.spec.block[1]
+    rows = (rows + h - 1) // h * h
+    return ((rows + block - 1) // block * block).to(torch.int32)
+
+
+def segment_groups(layout: GroupLayout, b_plan: OperandPlan | None) -> RowGroups:
+    """The expert segments of a layout's rows as RowGroups (rows past the last segment: zero rows, group 0)."""
+    ids = layout.tile_expert.clamp(min=0).to(torch.int32).repeat_interleave(layout.align)
+    return RowGroups(ids, layout.offsets[:-1].to(torch.int32), _padded(layout.counts, b_plan))
+
+
+def weight_groups(e: int, n: int, device, b_plan: OperandPlan | None) -> RowGroups:
+    """The experts' n rows each of stacked weights [E * n, K] as RowGroups."""
+    ids = torch.arange(e * n, device=device, dtype=torch.int32) // n
+    starts = torch.arange(e, device=device, dtype=torch.int32) * n
+    return RowGroups(ids, starts, _padded(torch.full((e,), n, device=device), b_plan))
+
+
+def _scales(op, plan: OperandPlan, e: int) -> torch.Tensor:
+    """An operand's FP32 decode scale per expert (two-level: the kernels' per-group scales; else ones)."""
+    return op.scale if plan.stat == 2 else torch.ones(e, dtype=torch.float32, device=op.data.device)
+
+
+# The grouped GEMMs with per-expert scales as custom ops, registered as FP4Linear's are: opaque (the CPU, Triton's
+# interpreter), and a triton_op on CUDA that torch.compile traces into.
+def _rows_impl(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, n: int, k: int, b_step: int,
+               a_scale: torch.Tensor, b_scale: torch.Tensor) -> torch.Tensor:
+    from ..kernels.grouped_gemm import grouped_rows
+
+    return grouped_rows(a, b, ends, n, k, b_step, a_scale, b_scale)
+
+
+def _contraction_impl(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, m: int, n: int,
+                      a_scale: torch.Tensor, b_scale: torch.Tensor) -> torch.Tensor:
+    from ..kernels.grouped_gemm import grouped_contraction
+
+    return grouped_contraction(a, b, ends, m, n, a_scale, b_scale)
+
+
+_rows_op = torch.library.custom_op("hf_fp4::grouped_rows", _rows_impl, mutates_args=())
+_rows_cuda_op = torch.library.triton_op("hf_fp4::grouped_rows_cuda", _rows_impl, mutates_args=())
+_contraction_op = torch.library.custom_op("hf_fp4::grouped_contraction", _contraction_impl, mutates_args=())
+_contraction_cuda_op = torch.library.triton_op("hf_fp4::grouped_contraction_cuda", _contraction_impl,
+                                               mutates_args=())
+
+
+@_rows_op.register_fake
+def _(a, b, ends, n, k, b_step, a_scale, b_scale):
+    return a.new_empty(a.shape[0], n, dtype=torch.bfloat16)
+
+
+@_contraction_op.register_fake
+def _(a, b, ends, m, n, a_scale, b_scale):
+    return a.new_empty(ends.shape[0], m, n, dtype=torch.bfloat16)
+
+
+def _op(opaque, cuda, t: torch.Tensor):
+    return cuda if TRITON_OPS and t.is_cuda else opaque
 
 
 class GroupedFP4Function(torch.autograd.Function):
     """One projection of every expert on the gathered rows xg [R, K] (segments ending at `ends`, [E] int32):
-    weight [E, N, K]; returns [R, N] in BF16, zero on the rows no expert holds."""
+    weight [E, N, K]; returns [R, N] in BF16, zero on the rows no expert holds.  seeds [E, 6]: each expert's
+    (x, W, dy) seed pairs, as the loop gives each expert's FP4LinearFunction; groups: the RowGroups of the
+    segments for x and dy, and of W's experts (None where a tensor's operands need none)."""
 
     @staticmethod
-    def forward(ctx, xg, weight, ends, valid, signs, plan: LinearPlan, need):
+    def forward(ctx, xg, weight, ends, valid, seeds, signs, groups, plan: LinearPlan, need):
         e, n, k = weight.shape
         rows = xg.shape[0]
-        ox, oxt = _pair(xg, plan, "x", signs, need[1])
-        ow, owt = _pair(weight.reshape(e * n, k), plan, "w", signs, need[0])
+        g_x, g_w, g_dy = groups
+        x_seeds = seeds[:, 0:2].contiguous() if plan.seeded("x") else torch.zeros_like(seeds[:, 0:2])
+        ox, oxt = _pair(xg, plan, "x", x_seeds, signs, need[1], g_x)
+        ow, owt = _pair(weight.reshape(e * n, k), plan, "w", seeds[:, 2:4].contiguous(), signs, need[0], g_w)
+        scaled = any(p is not None and p.stat == 2 for p in (*plan.x, *plan.w, *plan.dy))
         # fprop: y = Q(x) Q(W_e)^T per segment    [R,K] @ [K,N] -> [R,N]
-        y = torch._grouped_mm(ox.data[:rows, :k], ow.data[:e * n, :k].view(e, n, k).transpose(1, 2), offs=ends)
-        ctx.plan, ctx.shape, ctx.w_dtype = plan, (e, n, k, rows), weight.dtype
-        ctx.save_for_backward(ends, valid, *signs, oxt.data if oxt is not None else None,
-                              owt.data if owt is not None else None)
+        if scaled:
+            y = _op(_rows_op, _rows_cuda_op, xg)(ox.data, ow.data, ends, n, k, n * ow.data.stride(0),
+                                                 _scales(ox, plan.x[0], e), _scales(ow, plan.w[0], e))
+        else:
+            y = torch._grouped_mm(ox.data[:rows, :k], ow.data[:e * n, :k].view(e, n, k).transpose(1, 2), offs=ends)
+        ctx.plan, ctx.shape, ctx.w_dtype, ctx.scaled = plan, (e, n, k, rows), weight.dtype, scaled
+        ctx.dy_grouped = g_dy is not None
+        xt = (oxt.data, _scales(oxt, plan.x[1], e)) if oxt is not None else (None, None)
+        wt = (owt.data, _scales(owt, plan.w[1], e)) if owt is not None else (None, None)
+        ctx.save_for_backward(ends, valid, seeds, *signs, *xt, *wt, *(g_dy or ()))
         return torch.where(valid[:, None], y, 0.0)
 
     @staticmethod
     def backward(ctx, dy):
         e, n, k, rows = ctx.shape
-        ends, valid, *rest = ctx.saved_tensors
-        signs, (xt, wt) = tuple(rest[:len(GEMMS)]), rest[len(GEMMS):]
+        plan = ctx.plan
+        ends, valid, seeds, *rest = ctx.saved_tensors
+        signs, (xt, xt_scale, wt, wt_scale) = tuple(rest[:len(GEMMS)]), rest[len(GEMMS):len(GEMMS) + 4]
+        g_dy = RowGroups(*rest[len(GEMMS) + 4:]) if ctx.dy_grouped else None
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        ody, odyt = _pair(dy.contiguous(), ctx.plan, "dy", signs, need_dw)
+        ody, odyt = _pair(dy.contiguous(), plan, "dy", seeds[:, 4:6].contiguous(), signs, need_dw, g_dy)
         dx = dw = None
         if need_dx:
             # dgrad: dx = Q(dy) Q(W_e^T)^T per segment    [R,N] @ [N,K] -> [R,K]
-            dx = torch._grouped_mm(ody.data[:rows, :n], wt[:k, :e * n].view(k, e, n).permute(1, 2, 0), offs=ends)
+            if ctx.scaled:
+                dx = _op(_rows_op, _rows_cuda_op, dy)(ody.data, wt, ends, k, n, n, _scales(ody, plan.dy[0], e),
+                                                      wt_scale)
+            else:
+                dx = torch._grouped_mm(ody.data[:rows, :n], wt[:k, :e * n].view(k, e, n).permute(1, 2, 0), offs=ends)
             dx = torch.where(valid[:, None], dx, 0.0)
         if need_dw:
             # wgrad: dW_e = Q(dy_e^T) Q(x_e^T)^T per expert    [N,R_e] @ [R_e,K] -> [N,K]
-            dw = torch._grouped_mm(odyt.data[:n, :rows], xt[:k, :rows].t(), offs=ends).to(ctx.w_dtype)
-        return dx, dw, None, None, None, None, None
+            if ctx.scaled:
+                dw = _op(_contraction_op, _contraction_cuda_op, dy)(odyt.data, xt, ends, n, k,
+                                                                    _scales(odyt, plan.dy[1], e), xt_scale)
+            else:
+                dw = torch._grouped_mm(odyt.data[:n, :rows], xt[:k, :rows].t(), offs=ends)
+            dw = dw.to(ctx.w_dtype)
+        return dx, dw, None, None, None, None, None, None, None
 
 
-def grouped_projection(layout: GroupLayout, xg: torch.Tensor, weight: torch.Tensor, signs, plan: LinearPlan,
-                       training: bool) -> torch.Tensor:
-    """xg [R, K] (the layout's rows) through every expert's weight [E, N, K] -> [R, N] (BF16)."""
+def _pair(t, plan: LinearPlan, tensor: str, seeds, signs, both: bool, groups: RowGroups | None):
+    """Both orientations of t (the second when `both`), grouped as the loop's experts are."""
+    if groups is None:  # nothing per expert beyond its blocks: one tensor, the seeds never read
+        seeds = seeds[0]
+    return tensor_operands(t, plan, seeds, signs, None, both, tensor, None, groups)
+
+
+def grouped_projection(layout: GroupLayout, xg: torch.Tensor, weight: torch.Tensor, seeds: torch.Tensor, signs,
+                       plan: LinearPlan, training: bool) -> torch.Tensor:
+    """xg [R, K] (the layout's rows) through every expert's weight [E, N, K] -> [R, N] (BF16); seeds [E, 6]."""
     ends = layout.offsets[1:].to(torch.int32)
     need = (training and xg.requires_grad, training and weight.requires_grad)
-    return GroupedFP4Function.apply(xg, weight, ends, layout.valid, signs, plan, need)
+    e, n, _ = weight.shape
+    groups = (segment_groups(layout, plan.x[1]) if _per_group(plan.x) else None,
+              weight_groups(e, n, weight.device, plan.w[1]) if _per_group(plan.w) else None,
+              segment_groups(layout, plan.dy[1]) if _per_group(plan.dy) else None)
+    return GroupedFP4Function.apply(xg, weight, ends, layout.valid, seeds, signs, groups, plan, need)

@@ -54,6 +54,24 @@ def observe_operands(fn: Callable):
 _SHARED: dict = {}
 
 
+@torch.library.custom_op("hf_fp4::step_snapshot", mutates_args=())
+def _step_snapshot(step: torch.Tensor) -> torch.Tensor:
+    return step.clone()
+
+
+@_step_snapshot.register_fake
+def _(step):
+    return torch.empty_like(step)
+
+
+def step_value(step: torch.Tensor) -> torch.Tensor:
+    """The step counter's value for one call's seeds and sign vectors, before the call advances it.  Under
+    torch.compile an opaque copy, which AOT autograd's partitioner saves rather than recomputes: otherwise it may
+    recompute the seeds in the backward graph from the counter itself -- advanced by then (the grouped experts' dy
+    noise came out of the next step's seeds under aot_eager on the CPU).  Eager: the counter itself."""
+    return _step_snapshot(step) if torch.compiler.is_compiling() else step
+
+
 def _shared_tensor(t: torch.Tensor, device) -> torch.Tensor:
     """One device tensor per distinct value (fixed Hadamard signs): layers with equal signs pass the same
     tensor, which torch.compile sees as one input (see FP4LinearFunction.forward)."""
@@ -274,7 +292,7 @@ class FP4Linear(nn.Linear):
         if self._step.device != x.device:  # moved without Module.to() (e.g. by a sharding wrapper)
             self._place_rng(self._step.to(x.device) if not self._step.is_meta else
                             torch.zeros((), dtype=torch.int64, device=x.device))
-        step, fixed = self._step, self._fixed_signs
+        step, fixed = step_value(self._step), self._fixed_signs
         seeds = self._seed_bases + step * STEP_MIX
         signs = tuple(fixed[g] if g in fixed else self.hadamard_signs(g, step) for g in gemms)
         out_dtype = output_dtype(x)

@@ -33,8 +33,8 @@ from typing import Optional
 import torch
 
 from ..numerics.hadamard import apply_hadamard
-from ..numerics.operand_plan import (FORMS, KERNEL_FORMS, Operand, OperandPlan, empty_operand,  # noqa: F401
-                           fp8_capable, fp8_dmax, fp8_shift, round_up)
+from ..numerics.operand_plan import (FORMS, KERNEL_FORMS, Operand, OperandPlan, RowGroups,  # noqa: F401
+                                     empty_operand, fp8_capable, fp8_dmax, fp8_shift, round_up)
 from ..numerics.quantize import quantize
 from .recipe import GemmSpec, LinearRecipe
 from ..numerics.scales import ScaleRule
@@ -84,15 +84,23 @@ def plans_key(plans: tuple[OperandPlan | None, OperandPlan | None]) -> str:
     return json.dumps([p.to_dict() if p else None for p in plans])
 
 
-def _operands_impl(t, mu, seeds, signs_a, signs_b, key):
+def _groups(group_ids, group_starts, group_kp) -> RowGroups | None:
+    return RowGroups(group_ids, group_starts, group_kp) if group_ids is not None else None
+
+
+def _operands_impl(t, mu, seeds, signs_a, signs_b, key, group_ids=None, group_starts=None, group_kp=None):
     plans = _plans(key)
     signs = (signs_a, signs_b)
     fast = tuple(p if p is not None and p.form in KERNEL_FORMS else None for p in plans)
+    groups = _groups(group_ids, group_starts, group_kp)
+    if groups is not None and any(p is not None and f is None for p, f in zip(plans, fast)):
+        raise ValueError("grouped operands are made by the kernels only (BF16 forms)")
     out: list = [None, None]
     if any(fast):
         from ..kernels.operand import triton_operands
 
-        out = triton_operands(t, fast, seeds, tuple(s if f else None for s, f in zip(signs, fast)), mu)
+        out = triton_operands(t, fast, seeds, tuple(s if f else None for s, f in zip(signs, fast)), mu,
+                              groups=groups)
     if any(p is not None and f is None for p, f in zip(plans, fast)):
         t = t.reshape(-1, t.shape[-1])
         centred = t.float() - mu if mu is not None else t
@@ -106,20 +114,23 @@ def _operands_impl(t, mu, seeds, signs_a, signs_b, key):
     return result
 
 
-def _operands_fake(t, mu, seeds, signs_a, signs_b, key):
+def _operands_fake(t, mu, seeds, signs_a, signs_b, key, group_ids=None, group_starts=None, group_kp=None):
     result = []
     rows, cols = t.numel() // t.shape[-1], t.shape[-1]
+    groups = group_starts.shape[0] if group_starts is not None else 0
     for plan, (rows, k) in zip(_plans(key), ((rows, cols), (cols, rows))):
         if plan is None:
             result += [t.new_empty(0, dtype=torch.float32) for _ in range(5)]
         else:
-            result += list(empty_operand(plan, rows, k, t.device, t.dtype))
+            result += list(empty_operand(plan, rows, k, t.device, t.dtype, groups=groups))
     return result
 
 
 def _operands_kernels(t: torch.Tensor, mu: Optional[torch.Tensor], seeds: torch.Tensor,
-                      signs_a: Optional[torch.Tensor], signs_b: Optional[torch.Tensor], key: str) -> list[torch.Tensor]:
-    return _operands_impl(t, mu, seeds, signs_a, signs_b, key)
+                      signs_a: Optional[torch.Tensor], signs_b: Optional[torch.Tensor], key: str,
+                      group_ids: Optional[torch.Tensor] = None, group_starts: Optional[torch.Tensor] = None,
+                      group_kp: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
+    return _operands_impl(t, mu, seeds, signs_a, signs_b, key, group_ids, group_starts, group_kp)
 
 
 # Two registrations of one implementation.  "operands" is opaque to torch.compile (any device, any form:
@@ -139,21 +150,22 @@ def quantized_pair(plans) -> tuple[OperandPlan | None, OperandPlan | None]:
 def operands(t: torch.Tensor, plans: tuple[OperandPlan | None, OperandPlan | None], seeds: torch.Tensor,
              signs: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
              mu: torch.Tensor | None = None, key: str | None = None,
-             triton_ops: bool = True) -> tuple[Operand | None, Operand | None]:
+             triton_ops: bool = True, groups: RowGroups | None = None) -> tuple[Operand | None, Operand | None]:
     """Both orientations of a tensor t read as a matrix [rows, C] (leading dims flattened): plans[0] for its
     rows, plans[1] for the rows of its transpose.
 
     Quantized orientations come from one custom-op call (the kernels read t once for both, through its
     strides: an N-D t is not reshaped); an unquantized ("hp") orientation is t itself (minus mu, in t's
     dtype), transposed as a view.  triton_ops=False launches the kernels from an opaque custom op even under
-    torch.compile on CUDA (see LinearPlan.triton_ops).
+    torch.compile on CUDA (see LinearPlan.triton_ops).  groups: t's rows in groups quantized as separate tensors
+    (RowGroups: the grouped expert GEMMs; seeds [E, 2]).
     """
     quantized = quantized_pair(plans)
     out: list = [None, None]
     if any(quantized):  # `key` (plans_key of the pair) may be precomputed: json does not trace
         traceable = TRITON_OPS and triton_ops and t.is_cuda and all(p is None or p.form in KERNEL_FORMS for p in quantized)
         op = _operands_cuda_op if traceable else _operands_op
-        flat = op(t, mu, seeds, *signs, key or plans_key(quantized))
+        flat = op(t, mu, seeds, *signs, key or plans_key(quantized), *(groups or ()))
         out = [Operand(*flat[5 * i:5 * i + 5]) if p is not None else None for i, p in enumerate(quantized)]
     if any(p is not None and p.form == "hp" for p in plans):
         t = t.reshape(-1, t.shape[-1])

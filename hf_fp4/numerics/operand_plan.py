@@ -114,8 +114,26 @@ class Operand(NamedTuple):
     flags: torch.Tensor
 
 
-def empty_operand(plan: OperandPlan, rows: int, k: int, device, dtype=torch.float32) -> Operand:
-    """Allocate an operand of `plan` (shapes and dtypes; also the custom op's fake implementation)."""
+class RowGroups(NamedTuple):
+    """Groups of a tensor's rows quantized as separate tensors by one operand call (grouped expert GEMMs, issue 16):
+    each group has its own tensor amax (two-level formats) and SR stream, as if its rows were a tensor of their own.
+
+    ids [R] int32: the group of each row; starts [E] int32: each group's first row; kp [E] int32: each group's padded
+    length along the rows -- the contraction of the transposed orientation, whose SR coordinates run along it
+    (OperandPlan.k_padded of the group's row count).  Group boundaries are multiples of 16 rows."""
+
+    ids: torch.Tensor
+    starts: torch.Tensor
+    kp: torch.Tensor
+
+    @property
+    def count(self) -> int:
+        return self.starts.shape[0]
+
+
+def empty_operand(plan: OperandPlan, rows: int, k: int, device, dtype=torch.float32, groups: int = 0) -> Operand:
+    """Allocate an operand of `plan` (shapes and dtypes; also the custom op's fake implementation); `groups` > 0:
+    a grouped operand (RowGroups), whose two-level decode scales are one per group."""
     def none():
         return torch.empty(0, device=device)
 
@@ -131,4 +149,5 @@ def empty_operand(plan: OperandPlan, rows: int, k: int, device, dtype=torch.floa
                        torch.empty(r, c, dtype=torch.float8_e4m3fn, device=device),
                        torch.full((r, c // plan.spec.block[1]), -128, dtype=torch.int8, device=device),
                        torch.zeros(r + 1, dtype=torch.int8, device=device))  # [r]: any row flagged
-    return Operand(torch.empty(r, c, dtype=torch.bfloat16, device=device), one, none(), none(), none())
+    scale = torch.empty(groups, dtype=torch.float32, device=device) if groups and plan.stat == 2 else one
+    return Operand(torch.empty(r, c, dtype=torch.bfloat16, device=device), scale, none(), none(), none())

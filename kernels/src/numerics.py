@@ -246,7 +246,13 @@ def sr_uniforms(seed, rows, col0, KP, BM: tl.constexpr, BK: tl.constexpr):
     """Uniforms of a [BM, BK] tile starting at column col0 (a multiple of 4) of the padded [Mp, KP]
     operand: element (r, c) is word c % 4 of the Philox call at counter (r * KP + c) // 4."""
     groups = col0 // 4 + tl.arange(0, BK // 4)
-    counters = rows[:, None].to(tl.int64) * (KP // 4) + groups[None, :]
+    return sr_uniforms_at(seed, rows[:, None].to(tl.int64) * (KP // 4) + groups[None, :], BM, BK)
+
+
+@triton.jit
+def sr_uniforms_at(seed, counters, BM: tl.constexpr, BK: tl.constexpr):
+    """sr_uniforms from the Philox counters of the tile's groups of 4 columns ([BM, BK // 4]; seed: a scalar or
+    any shape that broadcasts to theirs -- one seed per row or column group in grouped operands)."""
     u0, u1, u2, u3 = tl.rand4x(seed, counters)
     return tl.reshape(tl.join(tl.join(u0, u2), tl.join(u1, u3)), [BM, BK])
 

@@ -31,13 +31,13 @@ import torch
 import triton
 import triton.language as tl
 
-from hf_fp4.numerics.operand_plan import Operand, OperandPlan, empty_operand, fp8_dmax, fp8_shift
+from hf_fp4.numerics.operand_plan import Operand, OperandPlan, RowGroups, empty_operand, fp8_dmax, fp8_shift
 from hf_fp4.numerics.spec import Rounding
 
 from .launch import launcher
 from .numerics import (block_max, encode_factor, e8m0_exponent, expand_blocks, finite_abs, flush_subnormals,
                        grid_constants, hadamard, hadamard_across, hadamard_block_amax, pow2, round_grid, sr_uniforms,
-                       tensor_encode_scale, ue4m3_block_scale)
+                       sr_uniforms_at, tensor_encode_scale, ue4m3_block_scale)
 from .quant import SCALE_CODES, load_tile
 
 
@@ -168,11 +168,46 @@ def _stats_tiles(t_ptr, R, C, s_r, s_c, mu_ptr, a_stat, a_signs, b_stat, b_signs
         _send_b(b_stat, b_rot if B_H > 0 else tl.max(plain, axis=0), cols, C, B_STAT)
 
 
+#: Rows of t a grouped operand's groups are made of (their boundaries are multiples of it): the grouped stats pass
+#: sends one amax per GROUP_ROWS rows.
+GROUP_ROWS = 16
+
+
 @triton.jit
-def _block_scales(amax, e_ref, stat_ptr, SCALE: tl.constexpr, QMAX: tl.constexpr, QM: tl.constexpr,
+def _group_stats_kernel(t_ptr, R, C, s_r, s_c, ids_ptr, a_stat, a_signs, b_stat, b_signs,
+                        BR: tl.constexpr, BC: tl.constexpr, EVEN: tl.constexpr, CH: tl.constexpr,
+                        A_STAT: tl.constexpr, A_H: tl.constexpr, A_HSCALE: tl.constexpr, A_SIGNS: tl.constexpr,
+                        B_STAT: tl.constexpr, B_H: tl.constexpr, B_HSCALE: tl.constexpr, B_SIGNS: tl.constexpr):
+    """The tensor amax (STAT 2) of each orientation per group of t's rows (ids_ptr: the group of each row): a
+    program reduces its [BR, BC] tile per row of t -- A's rotated along t's columns, B's along t's rows -- and
+    sends one atomic max per CH (GROUP_ROWS) rows into the group's element of the statistic.  A plain pass over
+    whole tiles (a transpose for B's Hadamard); not yet profiled."""
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    cols = tl.program_id(1) * BC + tl.arange(0, BC)
+    x = load_tile(t_ptr, rows, cols, R, C, s_r, s_c, t_ptr, False, EVEN)
+    NCH: tl.constexpr = BR // CH
+    chunks = tl.program_id(0) * BR + tl.arange(0, NCH) * CH
+    ids = tl.load(ids_ptr + chunks, mask=chunks < R, other=0)
+    if A_STAT == 2:
+        if A_H > 0:
+            a = finite_abs(hadamard(x, a_signs, BR, BC, A_H, A_HSCALE, A_SIGNS))
+        else:
+            a = finite_abs(x)
+        _max_into(a_stat + ids, tl.max(tl.reshape(tl.max(a, axis=1), [NCH, CH]), axis=1), mask=chunks < R)
+    if B_STAT == 2:
+        if B_H > 0:
+            b = tl.max(finite_abs(hadamard(tl.trans(x), b_signs, BC, BR, B_H, B_HSCALE, B_SIGNS)), axis=0)
+        else:
+            b = tl.max(finite_abs(x), axis=1)
+        _max_into(b_stat + ids, tl.max(tl.reshape(b, [NCH, CH]), axis=1), mask=chunks < R)
+
+
+@triton.jit
+def _block_scales(amax, e_ref, t_amax, SCALE: tl.constexpr, QMAX: tl.constexpr, QM: tl.constexpr,
                   QE: tl.constexpr, EMAX: tl.constexpr, FP8: tl.constexpr, SHIFT: tl.constexpr, DMAX: tl.constexpr):
     """Per block of an operand, from its amax (any shape; e_ref: the FP8 form's reference exponent of each
-    block's rows, broadcast to amax's shape): (encode factor, block factor -- the value a grid point is multiplied
+    block's rows, broadcast to amax's shape; t_amax: the two-level formats' tensor amax, a scalar or one per
+    block of a grouped operand): (encode factor, block factor -- the value a grid point is multiplied
     by, NaN for a block holding a NaN / Inf --, lost -- FP8: more than DMAX binades below e_ref --, the E8M0
     exponent, the FP32 tensor decode scale: 1 for E8M0)."""
     bad = ~(amax <= 3.4028234663852886e38)
@@ -188,11 +223,65 @@ def _block_scales(amax, e_ref, stat_ptr, SCALE: tl.constexpr, QMAX: tl.constexpr
             factor = pow2(e)
     else:  # UE4M3 block scale + FP32 tensor scale
         e = tl.zeros(amax.shape, dtype=tl.int32)
-        s_enc = tensor_encode_scale(tl.load(stat_ptr), QMAX)
+        s_enc = tensor_encode_scale(t_amax, QMAX)
         s_dec = tl.math.div_rn(1.0, s_enc)
         factor = ue4m3_block_scale(amax, s_enc, QMAX)
         encode = tl.where(factor > 0, encode_factor(factor * s_dec), 0.0)
     return encode, tl.where(bad, float("nan"), factor), lost, e, s_dec
+
+
+@triton.jit
+def _group_of(grp, t_rows, BL: tl.constexpr, N: tl.constexpr):
+    """The group of each of N // BL blocks of BL consecutive rows of t (t_rows [N]; grp = (ids, starts, kp, R):
+    a group per row of t, each group's first row and padded length; a block lies in one group)."""
+    ids = tl.load(grp[0] + t_rows, mask=t_rows < grp[3], other=0)
+    if BL > 1:
+        ids = tl.max(tl.reshape(ids, [N // BL, BL]), axis=1)
+    return ids
+
+
+@triton.jit
+def _tensor_amax(stat_ptr, grp, rows, cols, SCALE: tl.constexpr, GROUPS: tl.constexpr, BM: tl.constexpr,
+                 BK: tl.constexpr, BLR: tl.constexpr, BLC: tl.constexpr):
+    """The tensor amax of a two-level operand's [BM // BLR, BK // BLC] blocks: the tensor's (GROUPS 0), or of the
+    group each block lies in -- the groups running along the operand's rows (1) or its contraction (2)."""
+    t_amax = 0.0
+    if SCALE >= 2:
+        if GROUPS == 0:
+            t_amax = tl.load(stat_ptr)
+        elif GROUPS == 1:
+            t_amax = tl.load(stat_ptr + _group_of(grp, rows, BLR, BM))[:, None]
+        else:
+            t_amax = tl.load(stat_ptr + _group_of(grp, cols, BLC, BK))[None, :]
+    return t_amax
+
+
+@triton.jit
+def _uniforms(seed_ptr, grp, rows, col0, KP, GROUPS: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+    """SR's uniforms of a [BM, BK] tile (sr_uniforms).  Grouped, each group is its own operand, as in a loop over
+    groups: its own seed (seed_ptr[2 * g]) and coordinates from its first row -- along the operand's rows (1),
+    or along the contraction (2), whose padded length is then the group's (kp[g])."""
+    if GROUPS == 0:
+        u = sr_uniforms(tl.load(seed_ptr), rows, col0, KP, BM, BK)
+    elif GROUPS == 1:
+        g = _group_of(grp, rows, 1, BM)
+        u = sr_uniforms(tl.load(seed_ptr + 2 * g)[:, None], rows - tl.load(grp[1] + g), col0, KP, BM, BK)
+    else:
+        c4 = col0 + 4 * tl.arange(0, BK // 4)
+        g = _group_of(grp, c4, 1, BK // 4)
+        kp4 = tl.load(grp[2] + g)
+        counters = rows[:, None].to(tl.int64) * (kp4 // 4)[None, :] + ((c4 - tl.load(grp[1] + g)) // 4)[None, :]
+        u = sr_uniforms_at(tl.load(seed_ptr + 2 * g)[None, :], counters, BM, BK)
+    return u
+
+
+@triton.jit
+def _store_group_scales(stat_ptr, scale_ptr, n_groups, QMAX: tl.constexpr):
+    """A grouped two-level operand's FP32 decode scale of every group, from the groups' amaxes."""
+    for g0 in range(0, n_groups, 128):
+        g = g0 + tl.arange(0, 128)
+        s_enc = tensor_encode_scale(tl.load(stat_ptr + g, mask=g < n_groups, other=0.0), QMAX)
+        tl.store(scale_ptr + g, tl.math.div_rn(tl.full([128], 1.0, tl.float32), s_enc), mask=g < n_groups)
 
 
 @triton.jit
@@ -217,7 +306,7 @@ def _store_fp8(out_ptr, offs, val, inside, INTERPRETED: tl.constexpr):
 
 @triton.jit
 def _emit(x, rows, cols, col0, first_tile, out_ptr, n_rows, n_cols, stat_ptr, scale_ptr, seed_ptr,
-          signs_ptr, side_ptr, eb_ptr, flag_ptr, KP,
+          signs_ptr, side_ptr, eb_ptr, flag_ptr, KP, grp, GROUPS: tl.constexpr,
           BM: tl.constexpr, BK: tl.constexpr, BLR: tl.constexpr, BLC: tl.constexpr, GRID: tl.constexpr,
           QMAX: tl.constexpr, QM: tl.constexpr, QE: tl.constexpr, EMAX: tl.constexpr, SCALE: tl.constexpr,
           SR: tl.constexpr, H: tl.constexpr, HSCALE: tl.constexpr, HAS_SIGNS: tl.constexpr, FP8: tl.constexpr,
@@ -227,7 +316,8 @@ def _emit(x, rows, cols, col0, first_tile, out_ptr, n_rows, n_cols, stat_ptr, sc
     Per element only: scale, round, sign, multiply by the block factor, convert.  Non-finite input
     needs no per-element test: the block amax propagates NaN/Inf, and a NaN block factor makes the
     whole block NaN (the E4M3 conversion keeps NaN on the GPU; under INTERPRETED -- Triton's interpreter,
-    whose conversion does not -- the NaN code is written explicitly)."""
+    whose conversion does not -- the NaN code is written explicitly).  GROUPS: see _tensor_amax (a grouped
+    operand's decode scales are written by _store_group_scales)."""
     if H > 0:
         x = hadamard(x, signs_ptr, BM, BK, H, HSCALE, HAS_SIGNS)
     a = tl.abs(x)
@@ -244,12 +334,13 @@ def _emit(x, rows, cols, col0, first_tile, out_ptr, n_rows, n_cols, stat_ptr, sc
         if col0 == 0:  # the row scale, written by the row's first tile
             e_each = tl.reshape(tl.broadcast_to(e_rows[:, None], [NBM, BLR]), [BM])
             tl.store(scale_ptr + rows, pow2(e_each - SHIFT), mask=rows < n_rows)
-    encode, factor, lost, e, s_dec = _block_scales(amax, e_ref, stat_ptr, SCALE, QMAX, QM, QE, EMAX, FP8, SHIFT,
+    t_amax = _tensor_amax(stat_ptr, grp, rows, cols, SCALE, GROUPS, BM, BK, BLR, BLC)
+    encode, factor, lost, e, s_dec = _block_scales(amax, e_ref, t_amax, SCALE, QMAX, QM, QE, EMAX, FP8, SHIFT,
                                                    DMAX)
-    if SCALE >= 2 and first_tile:  # two-level: the tensor decode scale
+    if SCALE >= 2 and first_tile and GROUPS == 0:  # two-level: the tensor decode scale
         tl.store(scale_ptr, s_dec)
     if SR:
-        u = sr_uniforms(tl.load(seed_ptr), rows, col0, KP, BM, BK)
+        u = _uniforms(seed_ptr, grp, rows, col0, KP, GROUPS, BM, BK)
     else:
         u = x
     q, val = _round_values(x, expand_blocks(encode, BM, BK, BLR, BLC), expand_blocks(factor, BM, BK, BLR, BLC), u,
@@ -304,7 +395,8 @@ def _interleave(vs, H: tl.constexpr, G: tl.constexpr, BC: tl.constexpr):
 
 @triton.jit
 def _emit_across(xs, row0, cols, first_tile, out_ptr, n_rows, n_cols, stat_ptr, scale_ptr, seed_ptr, signs_ptr,
-                 side_ptr, eb_ptr, flag_ptr, KP, G: tl.constexpr, BC: tl.constexpr, N: tl.constexpr,
+                 side_ptr, eb_ptr, flag_ptr, KP, grp, GROUPED: tl.constexpr, G: tl.constexpr, BC: tl.constexpr,
+                 N: tl.constexpr,
                  GRID: tl.constexpr, QMAX: tl.constexpr, QM: tl.constexpr, QE: tl.constexpr, EMAX: tl.constexpr,
                  SCALE: tl.constexpr, SR: tl.constexpr, ROTATE: tl.constexpr, HSCALE: tl.constexpr,
                  HAS_SIGNS: tl.constexpr, FP8: tl.constexpr, SHIFT: tl.constexpr, DMAX: tl.constexpr,
@@ -313,7 +405,7 @@ def _emit_across(xs, row0, cols, first_tile, out_ptr, n_rows, n_cols, stat_ptr, 
     rows; ROTATE: an N Hadamard, else none), from the N row tiles xs[i] = t[row0 + g * N + i, cols] ([G, BC]):
     the rotation, the block amax (elementwise over the tuple: a block is one (g, c)), scaling and rounding need
     no transpose; the values are transposed once, for the store (_interleave).  Bit-identical to _emit on the
-    transposed tile."""
+    transposed tile (GROUPED: its GROUPS 2, the groups along t's rows, a block of N rows in one group)."""
     if ROTATE:
         ys = hadamard_across(xs, signs_ptr, N, HSCALE, HAS_SIGNS)
     else:
@@ -330,16 +422,29 @@ def _emit_across(xs, row0, cols, first_tile, out_ptr, n_rows, n_cols, stat_ptr, 
         e_ref = tl.broadcast_to(e_cols[None, :], [G, BC])
         if row0 == 0:  # the row scale, written by the row's first tile
             tl.store(scale_ptr + cols, pow2(e_cols - SHIFT), mask=cols < n_rows)
-    encode, factor, lost, e, s_dec = _block_scales(amax, e_ref, stat_ptr, SCALE, QMAX, QM, QE, EMAX, FP8, SHIFT,
+    first_rows = row0 + tl.arange(0, G) * N  # each block's first row of t
+    t_amax = 0.0
+    if SCALE >= 2:
+        if GROUPED:
+            t_amax = tl.load(stat_ptr + _group_of(grp, first_rows, 1, G))[:, None]
+        else:
+            t_amax = tl.load(stat_ptr)
+    encode, factor, lost, e, s_dec = _block_scales(amax, e_ref, t_amax, SCALE, QMAX, QM, QE, EMAX, FP8, SHIFT,
                                                    DMAX)
-    if SCALE >= 2 and first_tile:  # two-level: the tensor decode scale
+    if SCALE >= 2 and first_tile and not GROUPED:  # two-level: the tensor decode scale
         tl.store(scale_ptr, s_dec)
     if SR:  # element (c, r) takes word r % 4 of Philox call c * KP / 4 + r // 4
-        seed = tl.load(seed_ptr)
+        if GROUPED:  # each group its own operand: its seed, its rows from its first, its padded length
+            g = _group_of(grp, first_rows, 1, G)
+            seed = tl.load(seed_ptr + 2 * g)[:, None]
+            kp = (tl.load(grp[2] + g) // 4)[:, None]
+            first_rows = first_rows - tl.load(grp[1] + g)
+        else:
+            seed = tl.load(seed_ptr)
+            kp = KP // 4
         # + 1 where xs[0] is NaN (its block is NaN whatever the draws): keeps the counters in the values' layout --
         # from the aranges alone sm_90 code drew in a layout of its own and converted every draw
-        base = cols[None, :].to(tl.int64) * (KP // 4) + (row0 // 4 + tl.arange(0, G) * (N // 4))[:, None] + (
-            xs[0] != xs[0]).to(tl.int64)
+        base = cols[None, :].to(tl.int64) * kp + (first_rows // 4)[:, None] + (xs[0] != xs[0]).to(tl.int64)
     qs, vals = (), ()
     for j in tl.static_range(N // 4):
         if SR:
@@ -377,8 +482,9 @@ def _emit_across(xs, row0, cols, first_tile, out_ptr, n_rows, n_cols, stat_ptr, 
 def _operand_kernel(t_ptr, R, C, s_r, s_c, mu_ptr,
                     a_out, a_rows, a_cols, a_stat, a_scale, a_seed, a_signs, a_side, a_eb, a_flags, a_kp,
                     b_out, b_rows, b_cols, b_stat, b_scale, b_seed, b_signs, b_side, b_eb, b_flags, b_kp,
+                    grp_ids, grp_starts, grp_kp, n_groups,
                     BR: tl.constexpr, BC: tl.constexpr, HAS_MU: tl.constexpr, EVEN: tl.constexpr,
-                    INTERPRETED: tl.constexpr, RELOAD: tl.constexpr, ACROSS: tl.constexpr,
+                    INTERPRETED: tl.constexpr, RELOAD: tl.constexpr, ACROSS: tl.constexpr, GROUPED: tl.constexpr,
                     A_ON: tl.constexpr, A_BLR: tl.constexpr, A_BLC: tl.constexpr, A_GRID: tl.constexpr,
                     A_QMAX: tl.constexpr, A_QM: tl.constexpr, A_QE: tl.constexpr, A_EMAX: tl.constexpr,
                     A_SCALE: tl.constexpr, A_SR: tl.constexpr, A_H: tl.constexpr, A_HSCALE: tl.constexpr,
@@ -391,11 +497,18 @@ def _operand_kernel(t_ptr, R, C, s_r, s_c, mu_ptr,
     rows = pid_r * BR + tl.arange(0, BR)
     cols = pid_c * BC + tl.arange(0, BC)
     first = (pid_r == 0) & (pid_c == 0)
+    grp = (grp_ids, grp_starts, grp_kp, R)  # GROUPED: t's rows in groups, each quantized as its own tensor
+    if GROUPED:
+        if first:
+            if A_ON and A_SCALE >= 2:
+                _store_group_scales(a_stat, a_scale, n_groups, A_QMAX)
+            if B_ON and B_SCALE >= 2:
+                _store_group_scales(b_stat, b_scale, n_groups, B_QMAX)
     if A_ON or not ACROSS:
         x = load_tile(t_ptr, rows, cols, R, C, s_r, s_c, mu_ptr, HAS_MU, EVEN)
     if A_ON:
         _emit(x, rows, cols, pid_c * BC, first, a_out, a_rows, a_cols, a_stat, a_scale, a_seed, a_signs,
-              a_side, a_eb, a_flags, a_kp, BR, BC, A_BLR, A_BLC, A_GRID, A_QMAX, A_QM, A_QE, A_EMAX, A_SCALE, A_SR,
+              a_side, a_eb, a_flags, a_kp, grp, 1 if GROUPED else 0, BR, BC, A_BLR, A_BLC, A_GRID, A_QMAX, A_QM, A_QE, A_EMAX, A_SCALE, A_SR,
               A_H, A_HSCALE, A_SIGNS, A_FP8, A_SHIFT, A_DMAX, EVEN, INTERPRETED)
     if B_ON and ACROSS:  # B's 1 x B_BLC blocks across row tiles (a second read of the tile: L1 / L2)
         G: tl.constexpr = BR // B_BLC
@@ -404,7 +517,7 @@ def _operand_kernel(t_ptr, R, C, s_r, s_c, mu_ptr,
             xs = xs + (load_tile(t_ptr, pid_r * BR + tl.arange(0, G) * B_BLC + i, cols, R, C, s_r, s_c, mu_ptr,
                                  HAS_MU, EVEN),)
         _emit_across(xs, pid_r * BR, cols, first, b_out, b_rows, b_cols, b_stat, b_scale, b_seed, b_signs, b_side,
-                     b_eb, b_flags, b_kp, G, BC, B_BLC, B_GRID, B_QMAX, B_QM, B_QE, B_EMAX, B_SCALE, B_SR, B_H > 0,
+                     b_eb, b_flags, b_kp, grp, GROUPED, G, BC, B_BLC, B_GRID, B_QMAX, B_QM, B_QE, B_EMAX, B_SCALE, B_SR, B_H > 0,
                      B_HSCALE, B_SIGNS, B_FP8, B_SHIFT, B_DMAX, EVEN, INTERPRETED)
     elif B_ON:
         if RELOAD:  # the transposed tile from a second load (an L1/L2 hit) instead of a register transpose
@@ -415,7 +528,7 @@ def _operand_kernel(t_ptr, R, C, s_r, s_c, mu_ptr,
         else:
             xt = tl.trans(x)
         _emit(xt, cols, rows, pid_r * BR, first, b_out, b_rows, b_cols, b_stat, b_scale,
-              b_seed, b_signs, b_side, b_eb, b_flags, b_kp, BC, BR, B_BLR, B_BLC, B_GRID, B_QMAX, B_QM, B_QE,
+              b_seed, b_signs, b_side, b_eb, b_flags, b_kp, grp, 2 if GROUPED else 0, BC, BR, B_BLR, B_BLC, B_GRID, B_QMAX, B_QM, B_QE,
               B_EMAX, B_SCALE, B_SR, B_H, B_HSCALE, B_SIGNS, B_FP8, B_SHIFT, B_DMAX, EVEN, INTERPRETED)
 
 
@@ -526,7 +639,8 @@ def _rows_collapse(t: torch.Tensor) -> bool:
 
 def triton_operands(t: torch.Tensor, plans: tuple[OperandPlan | None, OperandPlan | None], seeds: torch.Tensor,
                     signs: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
-                    mu: torch.Tensor | None = None, tile: tuple[int, int, int] | None = None) -> list[Operand | None]:
+                    mu: torch.Tensor | None = None, tile: tuple[int, int, int] | None = None,
+                    groups: RowGroups | None = None) -> list[Operand | None]:
     """Operands of the tensor t read as a matrix [rows, C] (its leading dims flattened; any strides):
     plans[0] for the rows, plans[1] for the rows of the transpose.
 
@@ -534,6 +648,8 @@ def triton_operands(t: torch.Tensor, plans: tuple[OperandPlan | None, OperandPla
     Hadamard sign vectors (FP32 on t's device, or None); mu: per-column mean subtracted first.
     An N-D t is read through its strides, not reshaped: under torch.compile a reshaped view of a fused
     result can reach the kernel as a copy.
+    groups: t's rows in groups, each quantized as a tensor of its own (RowGroups; BF16 forms only): seeds is then
+    [E, 2] (each group's), and a two-level operand's scale holds each group's decode scale ([E]).
     """
     if t.dim() < 2:
         raise ValueError(f"triton_operands needs a tensor of 2 or more dims, got shape {tuple(t.shape)}")
@@ -543,30 +659,40 @@ def triton_operands(t: torch.Tensor, plans: tuple[OperandPlan | None, OperandPla
     if not _rows_collapse(t):
         t = t.reshape(-1, t.shape[-1])
     R, C = t.numel() // t.shape[-1], t.shape[-1]
+    if groups is not None:
+        _check_groups(plans, seeds, mu, groups, R)
     s_r, s_c = t.stride(-2), t.stride(-1)
     dev = t.device
     (br, bc, warps, *reload), (sbr, sbc, swarps), consts, stat_flags = _launch_config(tuple(plans), tile)
     if None not in plans and br * bc > MAX_TILE:  # one orientation per launch (t read twice)
-        return [triton_operands(t, (plans[0], None), seeds, (signs[0], None), mu, tile)[0],
-                triton_operands(t, (None, plans[1]), seeds, (None, signs[1]), mu, tile)[1]]
+        return [triton_operands(t, (plans[0], None), seeds, (signs[0], None), mu, tile, groups)[0],
+                triton_operands(t, (None, plans[1]), seeds, (None, signs[1]), mu, tile, groups)[1]]
     dims = ((R, C), (C, R))
-    ops = [empty_operand(p, *d, dev) if p is not None else None for p, d in zip(plans, dims)]
+    ops = [empty_operand(p, *d, dev, groups=groups.count if groups is not None else 0) if p is not None else None
+           for p, d in zip(plans, dims)]
     # Pointers a launch does not use get a 1-element tensor, never t: under torch.compile a tensor passed in
     # several argument slots of a user Triton kernel may be copied once per slot.
     unused = torch.empty(1, dtype=torch.float32, device=dev)
     stats = []
     for plan, (rows, k) in zip(plans, dims):  # per-row statistics cover the allocated (padded) rows
-        n = 0 if plan is None or plan.stat == 0 else (plan.shape(rows, k)[0] if plan.stat == 1 else 1)
+        n = 0 if plan is None or plan.stat == 0 else (
+            plan.shape(rows, k)[0] if plan.stat == 1 else groups.count if groups is not None else 1)
         stats.append(torch.zeros(n, dtype=torch.float32, device=dev) if n else unused)
     mu_t = mu.to(torch.float32) if mu is not None else unused
     signs_t = [s.to(device=dev, dtype=torch.float32) if s is not None else unused for s in signs]
-    if any(p is not None and p.stat for p in plans):
+    if groups is not None and any(p is not None and p.stat for p in plans):
+        flags = {k: v for k, v in stat_flags.items() if k != "ACROSS"}
+        launcher(_group_stats_kernel)[(triton.cdiv(R, sbr), triton.cdiv(C, sbc))](
+            t, R, C, s_r, s_c, groups.ids, stats[0], signs_t[0], stats[1], signs_t[1], BR=sbr, BC=sbc,
+            EVEN=R % sbr == 0 and C % sbc == 0, CH=GROUP_ROWS, num_warps=swarps, **flags)
+    elif any(p is not None and p.stat for p in plans):
         steps = _stats_steps(R, C, sbr, sbc)
         launcher(_stats_kernel)[(triton.cdiv(R, sbr * steps), triton.cdiv(C, sbc))](
             t, R, C, s_r, s_c, mu_t, stats[0], signs_t[0], stats[1], signs_t[1],
             BR=sbr, BC=sbc, STEPS=steps, HAS_MU=mu is not None, EVEN=R % (sbr * steps) == 0 and C % sbc == 0,
             num_warps=swarps, **stat_flags)
     args, cover = [], [0, 0]
+    seeds = seeds.reshape(-1)  # grouped: [E, 2] -> group g's seed of orientation i at 2 g + i
     for i, (plan, op, stat, s, (rows, k)) in enumerate(zip(plans, ops, stats, signs_t, dims)):
         if plan is None:
             args += [unused, 0, 0, unused, unused, seeds, unused, unused, unused, unused, 0]
@@ -579,7 +705,27 @@ def triton_operands(t: torch.Tensor, plans: tuple[OperandPlan | None, OperandPla
         args += [data, r_alloc, k_alloc, stat, op.scale, seeds[i:], s, side, eb, flags, plan.k_padded(k)]
     # every tile inside t and inside both allocations (not padded past t): no masks
     even = R % br == 0 and C % bc == 0 and tuple(cover) == (R, C)
+    args += [*groups, groups.count] if groups is not None else [unused, unused, unused, 0]
     launcher(_operand_kernel)[(triton.cdiv(cover[0], br), triton.cdiv(cover[1], bc))](
         t, R, C, s_r, s_c, mu_t, *args, BR=br, BC=bc, HAS_MU=mu is not None, EVEN=even,
-        INTERPRETED=dev.type == "cpu", RELOAD=bool(reload and reload[0]), num_warps=warps, **consts)
+        INTERPRETED=dev.type == "cpu", RELOAD=bool(reload and reload[0]), GROUPED=groups is not None,
+        num_warps=warps, **consts)
     return ops
+
+
+def _check_groups(plans, seeds: torch.Tensor, mu, groups: RowGroups, rows: int) -> None:
+    """What a grouped operand call needs (the layouts of hf_fp4.nn.grouping and grouped.py give it)."""
+    if any(p is not None and p.form != "bf16" for p in plans):
+        raise ValueError("grouped operands are made in the BF16 form only (the FP8 form's per-row reference "
+                         "exponents are not per group yet)")
+    if mu is not None:
+        raise ValueError("grouped operands take no mean-bias removal")
+    e = groups.count
+    if seeds.shape != (e, 2) or seeds.dtype != torch.int64:
+        raise ValueError(f"grouped operands take int64 seeds [{e}, 2] (one pair per group), got {seeds.dtype} "
+                         f"{tuple(seeds.shape)}")
+    for name, v, n in (("ids", groups.ids, rows), ("starts", groups.starts, e), ("kp", groups.kp, e)):
+        if v.dtype != torch.int32 or v.shape != (n,):
+            raise ValueError(f"RowGroups.{name} must be int32 [{n}], got {v.dtype} {tuple(v.shape)}")
+    if rows % GROUP_ROWS:
+        raise ValueError(f"grouped operands need rows in multiples of {GROUP_ROWS}, got {rows}")

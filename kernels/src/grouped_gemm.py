@@ -1,0 +1,200 @@
+"""Grouped BF16 GEMMs of expert segments with per-expert FP32 tensor scales (issue 16's two-level formats).
+
+The BF16 operand form (NVFP4, UFP4: v * UE4M3 block scale, exact in BF16) leaves each operand's FP32 tensor decode
+scale to the GEMM's output: FP4Linear computes BF16(acc * (s_a * s_b)) from the FP32 accumulator acc
+(kernels/src/gemm.py: scale_output).  Grouped over experts each segment has its own pair of scales, and
+`torch._grouped_mm` writes its output in the operands' dtype only (an FP32 output would need the rounding to
+BF16 first, a second rounding the per-expert loop does not make).  Two kernels, FP32 accumulation on the BF16
+tensor cores and that one rounding at the end:
+
+    grouped_rows:        out[r] = BF16((a[r] @ B_e^T) * s_a[e] * s_b[e])   for the rows r of segment e
+                         (fprop: B_e = the stacked weights' rows e*n..; dgrad: W^T's columns e*n..)
+    grouped_contraction: out[e] = BF16((a[:, seg e] @ b[:, seg e]^T) * s_a[e] * s_b[e])   (wgrad)
+
+Segments are given by their ends ([E] int32, non-decreasing; segment e is [ends[e-1], ends[e])) and read on the
+device: no host synchronisation, so the GEMMs run under CUDA graphs and torch.compile.  grouped_rows is
+persistent (a program per SM walks the (expert, row tile, column tile) list, as Triton's grouped-GEMM tutorial
+does); rows past the last segment are not written.  Without CUDA and outside Triton's interpreter: the same
+products in torch, one segment at a time (the host reads the ends).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from .gemm import _kernel_device
+from .launch import launcher
+from .numerics import bf16_bits
+
+#: (BM, BN, BK, warps, stages): 128 x 128 output tiles, 64-deep steps -- Triton's Hopper GEMM shape; untimed
+#: on the H200 for these kernels yet.
+TILE = (128, 128, 64, 8, 3)
+
+
+@triton.jit
+def _dot_step(a_ptrs, b_ptrs, a_mask, b_mask, acc, INTERPRETED: tl.constexpr):
+    a = tl.load(a_ptrs, mask=a_mask, other=0.0)
+    b = tl.load(b_ptrs, mask=b_mask, other=0.0)
+    if INTERPRETED:  # the interpreter multiplies BF16 operands of tl.dot as their raw bits: FP32 there
+        return tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc, input_precision="ieee")
+    return tl.dot(a, tl.trans(b), acc)
+
+
+@triton.jit
+def _store_scaled(out_ptr, ld_out, rows, cols, mask, acc, a_scale, b_scale, e, SCALED: tl.constexpr,
+                  OUT_BF16: tl.constexpr):
+    """acc * (s_a[e] * s_b[e]) rounded once to the output dtype (BF16: to nearest even, by hand)."""
+    if SCALED:
+        acc = acc * (tl.load(a_scale + e) * tl.load(b_scale + e))
+    optr = out_ptr + rows[:, None].to(tl.int64) * ld_out + cols[None, :]
+    if OUT_BF16:
+        tl.store(optr.to(tl.pointer_type(tl.int16)), bf16_bits(acc), mask=mask)
+    else:
+        tl.store(optr, acc, mask=mask)
+
+
+@triton.jit
+def _grouped_rows_kernel(a_ptr, lda, b_ptr, ldb, b_step, out_ptr, ld_out, ends_ptr, a_scale, b_scale, E, N, K,
+                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SCALED: tl.constexpr,
+                         OUT_BF16: tl.constexpr, INTERPRETED: tl.constexpr):
+    """Persistent: program p takes tiles p, p + P, ... of the list (expert, row tile, column tile), row tiles of an
+    expert's segment first-major so that neighbouring programs share the segment's rows."""
+    n_tiles = tl.cdiv(N, BN)
+    tile = tl.program_id(0)
+    seen = 0
+    start = 0
+    for e in range(E):
+        end = tl.load(ends_ptr + e)
+        count = tl.cdiv(end - start, BM) * n_tiles
+        while tile < seen + count:
+            local = tile - seen
+            rows = start + (local // n_tiles) * BM + tl.arange(0, BM)
+            cols = (local % n_tiles) * BN + tl.arange(0, BN)
+            ks = tl.arange(0, BK)
+            a_ptrs = a_ptr + rows[:, None].to(tl.int64) * lda + ks[None, :]
+            b_ptrs = b_ptr + (tl.zeros([], tl.int64) + e) * b_step + cols[:, None].to(tl.int64) * ldb + ks[None, :]
+            acc = tl.zeros([BM, BN], dtype=tl.float32)
+            for k0 in range(0, K, BK):
+                acc = _dot_step(a_ptrs, b_ptrs, (rows[:, None] < end) & (k0 + ks[None, :] < K),
+                                (cols[:, None] < N) & (k0 + ks[None, :] < K), acc, INTERPRETED)
+                a_ptrs += BK
+                b_ptrs += BK
+            _store_scaled(out_ptr, ld_out, rows, cols, (rows[:, None] < end) & (cols[None, :] < N), acc, a_scale,
+                          b_scale, e, SCALED, OUT_BF16)
+            tile += tl.num_programs(0)
+        seen += count
+        start = end
+
+
+@triton.jit
+def _grouped_contraction_kernel(a_ptr, lda, b_ptr, ldb, out_ptr, ends_ptr, a_scale, b_scale, M, N,
+                                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SCALED: tl.constexpr,
+                                OUT_BF16: tl.constexpr, INTERPRETED: tl.constexpr):
+    """Program (tile, e): one [BM, BN] tile of out[e] = a[:, seg e] @ b[:, seg e]^T; zero for an empty segment."""
+    e = tl.program_id(1)
+    n_tiles = tl.cdiv(N, BN)
+    rows = (tl.program_id(0) // n_tiles) * BM + tl.arange(0, BM)
+    cols = (tl.program_id(0) % n_tiles) * BN + tl.arange(0, BN)
+    start = tl.load(ends_ptr + e - 1, mask=e > 0, other=0)
+    end = tl.load(ends_ptr + e)
+    ks = start + tl.arange(0, BK)
+    a_ptrs = a_ptr + rows[:, None].to(tl.int64) * lda + ks[None, :]
+    b_ptrs = b_ptr + cols[:, None].to(tl.int64) * ldb + ks[None, :]
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(start, end, BK):
+        inside = k0 - start + ks[None, :] < end
+        acc = _dot_step(a_ptrs, b_ptrs, (rows[:, None] < M) & inside, (cols[:, None] < N) & inside, acc,
+                        INTERPRETED)
+        a_ptrs += BK
+        b_ptrs += BK
+    out_e = out_ptr + (tl.zeros([], tl.int64) + e) * M * N
+    _store_scaled(out_e, N, rows, cols, (rows[:, None] < M) & (cols[None, :] < N), acc, a_scale, b_scale, e, SCALED,
+                  OUT_BF16)
+
+
+@functools.lru_cache(maxsize=None)
+def _programs(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _check(ends: torch.Tensor, a_scale, b_scale) -> None:
+    if ends.dim() != 1 or ends.dtype != torch.int32:
+        raise ValueError(f"ends must be int32 [E], got {ends.dtype} {tuple(ends.shape)}")
+    for name, s in (("a_scale", a_scale), ("b_scale", b_scale)):
+        if s is not None and s.shape != ends.shape:
+            raise ValueError(f"{name} must hold one FP32 scale per segment ({ends.shape[0]}), got {tuple(s.shape)}")
+
+
+def grouped_rows(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, n: int, k: int, b_step: int,
+                 a_scale: torch.Tensor | None = None, b_scale: torch.Tensor | None = None,
+                 out_dtype: torch.dtype = torch.bfloat16, out: torch.Tensor | None = None) -> torch.Tensor:
+    """out [R, n]: the rows of segment e of a [R, >=k] times B_e^T, B_e [n, k] = the [n, k] matrix at b's element
+    offset e * b_step (rows of stride b.stride(0), contraction contiguous), FP32 accumulation, times
+    a_scale[e] * b_scale[e] when given, rounded once to out_dtype.  Rows past ends[-1] are left as they are."""
+    _check(ends, a_scale, b_scale)
+    if a.stride(1) != 1 or b.stride(1) != 1:
+        raise ValueError("grouped_rows reads a and b with a contiguous contraction dim")
+    out = torch.empty((a.shape[0], n), dtype=out_dtype, device=a.device) if out is None else out
+    scaled = a_scale is not None
+    if not _kernel_device(a):
+        return _rows_torch(a, b, ends, n, k, b_step, a_scale, b_scale, out)
+    bm, bn, bk, warps, stages = TILE
+    programs = _programs(a.device.index or 0) if a.is_cuda else 4
+    one = a_scale if scaled else ends
+    launcher(_grouped_rows_kernel)[(programs,)](
+        a, a.stride(0), b, b.stride(0), b_step, out, out.stride(0), ends, one, b_scale if scaled else one,
+        ends.shape[0], n, k, BM=bm, BN=bn, BK=bk, SCALED=scaled, OUT_BF16=out_dtype == torch.bfloat16,
+        INTERPRETED=not a.is_cuda, num_warps=warps, num_stages=stages)
+    return out
+
+
+def grouped_contraction(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, m: int, n: int,
+                        a_scale: torch.Tensor | None = None, b_scale: torch.Tensor | None = None,
+                        out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """out [E, m, n]: out[e] = a[:m, seg e] @ b[:n, seg e]^T (a, b: contraction along their rows' contiguous dim),
+    FP32 accumulation, times a_scale[e] * b_scale[e] when given, rounded once to out_dtype; zero for an empty
+    segment."""
+    _check(ends, a_scale, b_scale)
+    if a.stride(1) != 1 or b.stride(1) != 1:
+        raise ValueError("grouped_contraction reads a and b with a contiguous contraction dim")
+    num = ends.shape[0]
+    out = torch.empty((num, m, n), dtype=out_dtype, device=a.device)
+    scaled = a_scale is not None
+    if not _kernel_device(a):
+        return _contraction_torch(a, b, ends, m, n, a_scale, b_scale, out)
+    bm, bn, bk, warps, stages = TILE
+    one = a_scale if scaled else ends
+    launcher(_grouped_contraction_kernel)[(triton.cdiv(m, bm) * triton.cdiv(n, bn), num)](
+        a, a.stride(0), b, b.stride(0), out, ends, one, b_scale if scaled else one, m, n, BM=bm, BN=bn, BK=bk,
+        SCALED=scaled, OUT_BF16=out_dtype == torch.bfloat16, INTERPRETED=not a.is_cuda, num_warps=warps,
+        num_stages=stages)
+    return out
+
+
+def _segments(ends: torch.Tensor):
+    start = 0
+    for e, end in enumerate(ends.tolist()):
+        yield e, start, end
+        start = end
+
+
+def _scaled(acc: torch.Tensor, a_scale, b_scale, e: int) -> torch.Tensor:
+    return acc * (a_scale[e] * b_scale[e]) if a_scale is not None else acc
+
+
+def _rows_torch(a, b, ends, n, k, b_step, a_scale, b_scale, out):
+    for e, start, end in _segments(ends):
+        b_e = torch.as_strided(b, (n, k), (b.stride(0), 1), b.storage_offset() + e * b_step)
+        acc = a[start:end, :k].float() @ b_e.float().t()
+        out[start:end] = _scaled(acc, a_scale, b_scale, e).to(out.dtype)
+    return out
+
+
+def _contraction_torch(a, b, ends, m, n, a_scale, b_scale, out):
+    for e, start, end in _segments(ends):
+        acc = a[:m, start:end].float() @ b[:n, start:end].float().t()
+        out[e] = _scaled(acc, a_scale, b_scale, e).to(out.dtype)
+    return out
