@@ -34,10 +34,18 @@ BACKENDS = ("inductor", "aot_eager", "eager")
 def graph_safe(model: nn.Module | None) -> bool:
     """False for a model with FP4 attention (hf_fp4.nn.attention: its reference path checks for non-finite
     values on the host, which a CUDA graph cannot capture, and runs outside the compiled graph) or FP4
-    experts (hf_fp4.nn.experts: the reference path reads the routing counts on the host)."""
+    experts that run the per-expert loop (hf_fp4.nn.experts: it reads the routing counts on the host); experts
+    whose every layer takes the grouped GEMMs with BF16 activations (ExpertsFP4.layer_reason: no host read) are
+    graph-safe."""
+    from .experts import experts_modules
+
     config = getattr(model, "config", None)
-    return (getattr(config, "_attn_implementation", None) != "hf_fp4"
-            and getattr(config, "_experts_implementation", None) != "hf_fp4")
+    if getattr(config, "_attn_implementation", None) == "hf_fp4":
+        return False
+    if getattr(config, "_experts_implementation", None) == "hf_fp4":
+        return all(getattr(m, "hf_fp4", None) is not None and m.hf_fp4.layer_reason(m) is None
+                   for m in experts_modules(model).values())
+    return True
 
 
 def resolve_mode(mode: str, backend: str = "inductor", model: nn.Module | None = None) -> str:

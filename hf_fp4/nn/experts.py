@@ -85,16 +85,20 @@ class ExpertsFP4:
 
     def grouped_reason(self, module: torch.nn.Module, x: torch.Tensor) -> str | None:
         """Why this step runs the per-expert loop instead of the grouped GEMMs (None: it does not)."""
-        if not self.grouped:
-            return "ExpertsFP4.grouped is False"
         if self.plan(x) is not self.plans["triton"]:
             return "the reference backend"
         if _linear._OBSERVERS:
             return "operand observers (diagnostics per expert) are attached"
+        return self.layer_reason(module, output_dtype(x))
+
+    def layer_reason(self, module: torch.nn.Module, dtype: torch.dtype = torch.bfloat16) -> str | None:
+        """grouped_reason's part that depends on the layer alone (and the activations' dtype), not on a call."""
+        if not self.grouped:
+            return "ExpertsFP4.grouped is False"
         for proj in self.projections:
             w = getattr(module, proj)
             n, k = (w.shape[2], w.shape[1]) if module.is_transposed else (w.shape[1], w.shape[2])
-            if reason := grouped_reason(self.grouped_plan, n, k, module.has_bias, output_dtype(x)):
+            if reason := grouped_reason(self.grouped_plan, n, k, module.has_bias, dtype):
                 return f"{proj}: {reason}"
         return None
 
