@@ -26,7 +26,8 @@ from pathlib import Path
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from hopper_compile import (OPERAND_CASES, compile_for_hopper, operand_kernel_args, operand_plan,  # noqa: E402
+from hopper_compile import (GROUPED_OPERAND_CASES, OPERAND_CASES, compile_for_hopper,  # noqa: E402
+                            group_stats_kernel_args, grouped_gemm_cases, operand_kernel_args, operand_plan,
                             stats_kernel_args)
 
 from hf_fp4.kernels import operand as K  # noqa: E402
@@ -64,6 +65,12 @@ def variants():
         yield f"operand {label}", K._operand_kernel, *operand_kernel_args(a, b)
         if any(p is not None and p.stat for p in (a, b)):
             yield f"stats {label}", K._stats_kernel, *stats_kernel_args(a, b)
+    for label, (a, b) in GROUPED_OPERAND_CASES.items():  # rows in groups (the grouped expert GEMMs)
+        yield f"grouped-operand {label}", K._operand_kernel, *operand_kernel_args(a, b, grouped=True)
+        if any(p is not None and p.stat for p in (a, b)):
+            yield f"grouped-stats {label}", K._group_stats_kernel, *group_stats_kernel_args(a, b)
+    for label, kernel, types, constexprs, warps, divisible in grouped_gemm_cases():
+        yield label, kernel, types, constexprs, warps, divisible
 
 
 def main():
@@ -84,7 +91,8 @@ def main():
             (Path(args.out) / f"{label.replace(' ', '-')}.ptx").write_text(ptx)
             (Path(args.out) / f"{label.replace(' ', '-')}.ttgir").write_text(ttgir)
         regs, stack = resources(compiled.asm["cubin"])
-        print(f"| {label} | {constexprs['BR']}x{constexprs['BC']}, {warps} | {ttgir.count('ttg.convert_layout')} | "
+        rows, cols = (constexprs["BR"], constexprs["BC"]) if "BR" in constexprs else (constexprs["BM"], constexprs["BN"])
+        print(f"| {label} | {rows}x{cols}, {warps} | {ttgir.count('ttg.convert_layout')} | "
               f"{compiled.metadata.shared} | {len(re.findall('bar.sync', ptx))} | {regs} | {stack} | "
               f"{', '.join(f'{k} {v}' for k, v in accesses(ptx).items())} |", flush=True)
 

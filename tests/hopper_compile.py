@@ -138,7 +138,7 @@ def grouped_gemm_cases():
                           ("contraction", grouped_gemm._grouped_contraction_kernel)):
         params = inspect.signature(kernel.fn).parameters
         divisible = [p for p in params if p not in consts and (types.get(p, "").startswith("*")
-                                                               or p in ("lda", "ldb", "ld_out", "N", "K", "M"))]
+                                                               or p in ("lda", "ldb", "ld_out", "N", "K", "M", "b_step"))]
         yield f"grouped-gemm-{label}", kernel, types, consts, warps, divisible
 
 

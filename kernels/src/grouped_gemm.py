@@ -98,8 +98,9 @@ def _grouped_contraction_kernel(a_ptr, lda, b_ptr, ldb, out_ptr, ends_ptr, a_sca
     n_tiles = tl.cdiv(N, BN)
     rows = (tl.program_id(0) // n_tiles) * BM + tl.arange(0, BM)
     cols = (tl.program_id(0) % n_tiles) * BN + tl.arange(0, BN)
-    start = tl.load(ends_ptr + e - 1, mask=e > 0, other=0)
-    end = tl.load(ends_ptr + e)
+    # segments start and end at multiples of 16 rows (the callers' layouts): the hint lets the loads be vectorised
+    start = tl.multiple_of(tl.load(ends_ptr + e - 1, mask=e > 0, other=0), 16)
+    end = tl.multiple_of(tl.load(ends_ptr + e), 16)
     ks = start + tl.arange(0, BK)
     a_ptrs = a_ptr + rows[:, None].to(tl.int64) * lda + ks[None, :]
     b_ptrs = b_ptr + cols[:, None].to(tl.int64) * ldb + ks[None, :]
@@ -156,7 +157,8 @@ def grouped_contraction(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, m:
                         out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """out [E, m, n]: out[e] = a[:m, seg e] @ b[:n, seg e]^T (a, b: contraction along their rows' contiguous dim),
     FP32 accumulation, times a_scale[e] * b_scale[e] when given, rounded once to out_dtype; zero for an empty
-    segment."""
+    segment.  Segments start and end at multiples of 16 (the kernel's loads assume it; hf_fp4.nn.grouping's layouts
+    align them to 16 or more)."""
     _check(ends, a_scale, b_scale)
     if a.stride(1) != 1 or b.stride(1) != 1:
         raise ValueError("grouped_contraction reads a and b with a contiguous contraction dim")

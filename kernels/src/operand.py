@@ -438,13 +438,14 @@ def _emit_across(xs, row0, cols, first_tile, out_ptr, n_rows, n_cols, stat_ptr, 
             g = _group_of(grp, first_rows, 1, G)
             seed = tl.load(seed_ptr + 2 * g)[:, None]
             kp = (tl.load(grp[2] + g) // 4)[:, None]
-            first_rows = first_rows - tl.load(grp[1] + g)
+            rows4 = (first_rows - tl.load(grp[1] + g)) // 4
         else:
             seed = tl.load(seed_ptr)
             kp = KP // 4
+            rows4 = row0 // 4 + tl.arange(0, G) * (N // 4)
         # + 1 where xs[0] is NaN (its block is NaN whatever the draws): keeps the counters in the values' layout --
         # from the aranges alone sm_90 code drew in a layout of its own and converted every draw
-        base = cols[None, :].to(tl.int64) * kp + (first_rows // 4)[:, None] + (xs[0] != xs[0]).to(tl.int64)
+        base = cols[None, :].to(tl.int64) * kp + rows4[:, None] + (xs[0] != xs[0]).to(tl.int64)
     qs, vals = (), ()
     for j in tl.static_range(N // 4):
         if SR:
