@@ -47,7 +47,11 @@ def per_expert_layers(module, state: ExpertsFP4):
             w = getattr(module, proj)[e].detach()
             lin = nn.Linear(w.shape[1], w.shape[0], bias=False)
             lin.weight = nn.Parameter(w.clone())
-            pair.append(FP4Linear.from_linear(lin, state.recipe, name=f"{state.name}.{proj}.{e}", seed=state.seed))
+            layer = FP4Linear.from_linear(lin, state.recipe, name=f"{state.name}.{proj}.{e}", seed=state.seed)
+            if layer.lora_svd_A is not None:  # the expert's LoRA-SVD factors, copied
+                layer.lora_svd_A = nn.Parameter(getattr(module, f"{proj}_lora_svd_A")[e].detach().clone())
+                layer.lora_svd_B = nn.Parameter(getattr(module, f"{proj}_lora_svd_B")[e].detach().clone())
+            pair.append(layer)
         layers.append(pair)
     return layers
 
@@ -67,7 +71,8 @@ def composed_forward(module, layers, x, index, weights):
 
 CASES = [(a, r, "reference") for a in sorted(ARCHS) for r in ("nvfp4", "mxfp4", "ufp4")] + [
     ("qwen3_moe", "nvfp4", "triton"), ("mixtral", "mxfp4", "triton"),  # the fast path (interpreted on the CPU)
-    ("mixtral", "mxfp4+bf16gemm", "triton")]  # set_fp8_gemms(model, False): the MX GEMMs in the BF16 form
+    ("mixtral", "mxfp4+bf16gemm", "triton"),  # set_fp8_gemms(model, False): the MX GEMMs in the BF16 form
+    ("olmoe", "fullstack", "reference"), ("qwen3_moe", "fullstack", "triton")]  # LoRA-SVD factors per expert
 
 
 @pytest.mark.parametrize("arch,recipe,backend", CASES)
@@ -77,6 +82,7 @@ def test_experts_layer_equals_per_expert_fp4_linears(arch, recipe, backend):
     dev = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
     recipe, _, variant = recipe.partition("+")
     model = moe_model(arch, recipe).to(dev)
+    model.config._attn_implementation = "sdpa"  # (fullstack's FP4 attention is not what this test is about)
     name, module = next(iter(experts_modules(model).items()))
     state = module.hf_fp4
     state.backend = backend
@@ -108,6 +114,11 @@ def test_experts_layer_equals_per_expert_fp4_linears(arch, recipe, backend):
         for e, (lin_up, lin_down) in enumerate(layers):
             assert torch.equal(getattr(module, up).grad[e], lin_up.weight.grad), f"{arch}/{recipe} dW_up[{e}]"
             assert torch.equal(module.down_proj.grad[e], lin_down.weight.grad), f"{arch}/{recipe} dW_down[{e}]"
+            for proj, lin in ((up, lin_up), ("down_proj", lin_down)):
+                if lin.lora_svd_A is not None:
+                    for f in ("A", "B"):
+                        got = getattr(module, f"{proj}_lora_svd_{f}").grad[e]
+                        assert torch.equal(got, getattr(lin, f"lora_svd_{f}").grad), f"{arch}/{recipe} d{f}[{e}]"
     assert state.sr_calls == 2
 
 
@@ -221,7 +232,7 @@ def test_bf16_export_holds_each_experts_dequantized_weight(tmp_path):
             assert torch.equal(got[e], want), (proj, e)
 
 
-@pytest.mark.parametrize("recipe", ["nvfp4", "mxfp4_dh", "ufp4"])
+@pytest.mark.parametrize("recipe", ["nvfp4", "mxfp4_dh", "ufp4", "fullstack"])
 def test_the_packed_export_stores_each_expert_and_reloads_to_the_same_logits(tmp_path, recipe):
     """export "fp4": the experts' weights leave as stacked per-expert codes and scales (a fraction of the
     bytes), and from_pretrained gives the trained model's logits (fprop Hadamard and two-level scales
@@ -248,6 +259,65 @@ def test_the_packed_export_stores_each_expert_and_reloads_to_the_same_logits(tmp
     reloaded.eval()
     with torch.no_grad():
         assert torch.equal(reloaded(ids).logits, logits)
+
+
+def _merged(module, proj):
+    """W_res + B A of every expert of a projection, [E, N, K] in FP32."""
+    w = getattr(module, proj).detach().float()
+    w = w.transpose(1, 2) if module.is_transposed else w
+    a, b = (getattr(module, f"{proj}_lora_svd_{f}").detach().float() for f in ("A", "B"))
+    return w, a, b, w + b @ a
+
+
+def test_experts_lora_svd_splits_each_expert_and_refreshes():
+    """lora_svd_rank on experts: per projection and expert, B A is the best rank-r approximation of W = W_res + B A
+    (Eckart-Young: |W_res|^2 is the sum of W's squared singular values past r, |B A|^2 of the first r); a re-split
+    after the factors moved keeps W and splits it again; the factors take no weight decay."""
+    from hf_fp4.nn import lora_svd
+    from hf_fp4.optim import param_groups
+
+    model = moe_model("qwen3_moe", "nvfp4", lora_svd_rank=8)
+    module = model.model.layers[0].mlp.experts
+    for proj in ("gate_up_proj", "down_proj"):
+        w_res, a, b, merged = _merged(module, proj)
+        assert a.shape == (4, 8, merged.shape[2]) and b.shape == (4, merged.shape[1], 8)
+        sv = torch.linalg.svdvals(merged.double())
+        torch.testing.assert_close(w_res.double().square().sum((1, 2)), sv[:, 8:].square().sum(1), rtol=1e-4, atol=0)
+        torch.testing.assert_close((b @ a).double().square().sum((1, 2)), sv[:, :8].square().sum(1), rtol=1e-4, atol=0)
+    with torch.no_grad():
+        module.down_proj_lora_svd_A.add_(0.05)  # an optimizer step moved the factors
+    _, _, _, moved = _merged(module, "down_proj")
+    lora_svd.split(module)
+    w_res, _, _, resplit = _merged(module, "down_proj")
+    torch.testing.assert_close(resplit, moved, atol=1e-5, rtol=1e-5)
+    sv = torch.linalg.svdvals(moved.double())
+    torch.testing.assert_close(w_res.double().square().sum((1, 2)), sv[:, 8:].square().sum(1), rtol=1e-4, atol=0)
+    no_decay = {id(p) for g in param_groups(model, "adamw", 0.1) if g["weight_decay"] == 0 for p in g["params"]}
+    for name, p in module.named_parameters():
+        assert (id(p) in no_decay) == ("lora_svd" in name), name
+
+
+def test_bf16_export_folds_each_experts_lora_svd_factors(tmp_path):
+    """The plain export of experts with LoRA-SVD: each expert's weight is Q(W_res) + B A (the factors folded in,
+    none left in the checkpoint)."""
+    from safetensors.torch import load_file
+
+    from hf_fp4.release.export import export_bf16
+
+    model = moe_model("qwen3_moe", "nvfp4", lora_svd_rank=8)
+    module = model.model.layers[1].mlp.experts
+    export_bf16(model, None, tmp_path / "out", dtype=torch.float32)
+    stored = {}
+    for f in (tmp_path / "out").glob("*.safetensors"):
+        stored.update(load_file(f))
+    assert not any("lora_svd" in k for k in stored)
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    spec = preset("nvfp4").linear.fprop.rhs
+    for proj in ("gate_up_proj", "down_proj"):
+        got = getattr(plain.model.layers[1].mlp.experts, proj).detach()
+        w_res, a, b, _ = _merged(module, proj)
+        for e in range(4):
+            assert torch.equal(got[e], hf_fp4.fake_quantize(w_res[e], spec) + b[e] @ a[e]), (proj, e)
 
 
 def test_set_fp8_gemms_moves_every_linear_and_experts_module_and_back():
@@ -277,7 +347,8 @@ def _grouped_vs_loop(arch, recipe, grouped, seed=0, dev="cpu"):
     y = module(x, index.to(dev), weights.to(device=dev, dtype=torch.bfloat16))
     (y.float() * torch.randn(y.shape, generator=g).to(dev)).sum().backward()
     up = "gate_up_proj" if module.has_gate else "up_proj"
-    return y.float(), x.grad.float(), getattr(module, up).grad.float(), module.down_proj.grad.float()
+    factors = [p.grad.float() for n, p in module.named_parameters() if "lora_svd" in n]
+    return y.float(), x.grad.float(), getattr(module, up).grad.float(), module.down_proj.grad.float(), *factors
 
 
 GROUPED_DEVICES = ["cpu"] + [pytest.param("cuda", marks=pytest.mark.gpu)] * torch.cuda.is_available()
@@ -286,7 +357,7 @@ GROUPED_DEVICES = ["cpu"] + [pytest.param("cuda", marks=pytest.mark.gpu)] * torc
 @pytest.mark.parametrize("dev", GROUPED_DEVICES)
 @pytest.mark.parametrize("arch,recipe", [("mixtral", "mxfp4"), ("qwen3_moe", "mxfp4_dh"), ("olmoe", "mxfp4"),
                                          ("mixtral", "nvfp4"), ("qwen3_moe", "ufp4"), ("olmoe", "nvfp4"),
-                                         ("mixtral", "tib")])
+                                         ("mixtral", "tib"), ("qwen3_moe", "fullstack")])
 def test_grouped_expert_gemms_equal_the_per_expert_loop(arch, recipe, dev):
     """The grouped path (hf_fp4.nn.grouped: gathered expert segments, one operand call per tensor, grouped GEMMs)
     against the per-expert loop on the same bf16 module: the same operands bit for bit, so outputs and gradients
@@ -294,7 +365,8 @@ def test_grouped_expert_gemms_equal_the_per_expert_loop(arch, recipe, dev):
     wrong operand (a block straddling two experts, another expert's weight) would show."""
     got = _grouped_vs_loop(arch, recipe, True, dev=dev)
     want = _grouped_vs_loop(arch, recipe, False, dev=dev)
-    for name, a, b in zip(("y", "dx", "dW_up", "dW_down"), got, want):
+    assert len(got) == len(want) == (8 if recipe == "fullstack" else 4)  # + dA, dB of both projections
+    for name, a, b in zip(("y", "dx", "dW_up", "dW_down", "dA_up", "dB_up", "dA_down", "dB_down"), got, want):
         scale = b.abs().max()
         assert scale > 0
         # one BF16 rounding of each side (2^-8 relative) plus a few of the layer inside

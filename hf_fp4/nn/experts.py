@@ -11,7 +11,8 @@ rules select an `ExpertsFP4` state and sets the implementation to "hf_fp4" (regi
 each projection through `FP4LinearFunction` -- the recipe's three GEMMs, with per-GEMM operand specs,
 Hadamard and SR -- on a view of the expert's weight slice, so block and tensor scales are per expert and the
 gradients land in the 3D parameters.  Every (expert, projection) has its own SR / Hadamard seeds, as a
-separate nn.Linear would.  The router is a module of its own (an nn.Linear, or a router holding a weight
+separate nn.Linear would, and with LoRA-SVD its own factors (`<proj>_lora_svd_A` [E, r, K], `<proj>_lora_svd_B`
+[E, N, r]; hf_fp4.nn.lora_svd splits them expert by expert).  The router is a module of its own (an nn.Linear, or a router holding a weight
 Parameter) and is left to the linear swap's rules: Transformers' routers are not nn.Linear, so they stay
 in high precision.  The loop over experts reads the routing counts on the host; on CUDA each expert's GEMMs
 run on the fast path of FP4Linear (Triton operand kernels, exact FP8 / BF16 GEMMs), one expert at a time --
@@ -27,6 +28,7 @@ import types
 import torch
 
 from . import linear as _linear
+from . import lora_svd
 from .autograd import FP4LinearFunction, output_dtype
 from .grouped import grouped_projection, grouped_reason, segment_align
 from .grouping import group_layout
@@ -183,13 +185,34 @@ def fp4_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Te
             w_up, w_down = w_up.t(), w_down.t()
         bias_up = getattr(self, f"{up_name}_bias")[e] if self.has_bias else None
         bias_down = self.down_proj_bias[e] if self.has_bias else None
-        h = state.linear(hidden_states[tokens], w_up, bias_up, seeds[p_up, e], signs, training, f"{up_name}.{e}")
+        x_e = hidden_states[tokens]
+        h = state.linear(x_e, w_up, bias_up, seeds[p_up, e], signs, training, f"{up_name}.{e}")
+        h = _plus_low_rank(h, x_e, expert_factors(self, up_name), e)
         h = self._apply_gate(h) if self.has_gate else self.act_fn(h)
         y = state.linear(h, w_down, bias_down, seeds[p_down, e], signs, training, f"down_proj.{e}")
+        y = _plus_low_rank(y, h, expert_factors(self, "down_proj"), e)
         if getattr(self, "has_post_expert_norm", False):
             y = self.post_expert_norm(y)
         out.index_add_(0, tokens, y.float() * route_weights[pairs, None].float())
     return out.to(hidden_states.dtype)
+
+
+def _plus_low_rank(y: torch.Tensor, x: torch.Tensor, factors, e: int) -> torch.Tensor:
+    """y + (x A_e^T) B_e^T, as FP4Linear adds its LoRA-SVD term (y itself without factors)."""
+    if factors is None:
+        return y
+    return y + torch.nn.functional.linear(torch.nn.functional.linear(x, factors[0][e]), factors[1][e])
+
+
+def _grouped_low_rank(y: torch.Tensor, layout, xg: torch.Tensor, factors) -> torch.Tensor:
+    """_plus_low_rank for every expert's segment of the gathered rows at once (two grouped GEMMs in xg's dtype,
+    FP32 accumulation); rows outside the segments add nothing."""
+    if factors is None:
+        return y
+    ends = layout.offsets[1:].to(torch.int32)
+    a, b = (f.to(xg.dtype) for f in factors)
+    low = torch._grouped_mm(torch._grouped_mm(xg, a.transpose(1, 2), offs=ends), b.transpose(1, 2), offs=ends)
+    return y + torch.where(layout.valid[:, None], low, 0.0)
 
 
 def _grouped_experts_forward(self, state: ExpertsFP4, hidden_states, top_k_index, top_k_weights, seeds, signs,
@@ -205,11 +228,13 @@ def _grouped_experts_forward(self, state: ExpertsFP4, hidden_states, top_k_index
     layout = group_layout(top_k_index, w_down.shape[0], segment_align(plan))
     xg = layout.gather(hidden_states.to(output_dtype(hidden_states)))
     h = grouped_projection(layout, xg, w_up, seeds[p_up], signs, plan, training)
+    h = _grouped_low_rank(h, layout, xg, expert_factors(self, up_name))
     h = self._apply_gate(h) if self.has_gate else self.act_fn(h)
     # the padding rows stay zero whatever act(0) is: the down projection's per-expert amax and wgrad blocks see
     # only the expert's tokens, as in the loop
     h = torch.where(layout.valid[:, None], h, 0.0)
     y = grouped_projection(layout, h, w_down, seeds[p_down], signs, plan, training)
+    y = _grouped_low_rank(y, layout, h, expert_factors(self, "down_proj"))
     if getattr(self, "has_post_expert_norm", False):
         y = self.post_expert_norm(y)
     return layout.combine(y, top_k_weights, hidden_states.shape[0]).to(hidden_states.dtype)
@@ -235,9 +260,6 @@ def experts_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
 
 def check_experts(name: str, module: torch.nn.Module, recipe: LinearRecipe) -> None:
     """Reject what the expert GEMMs cannot do, at conversion time."""
-    if recipe.lora_svd_rank:
-        raise ValueError(f"{name}: LoRA-SVD is not implemented for 3D expert weights yet; skip the experts "
-                         "(rules.skip: ['*experts*']) or set lora_svd_rank=0")
     if recipe.activation_scheme != "plain":
         raise ValueError(f"{name}: activation_scheme={recipe.activation_scheme!r} is not implemented for experts")
     for proj in PROJECTIONS:
@@ -245,6 +267,9 @@ def check_experts(name: str, module: torch.nn.Module, recipe: LinearRecipe) -> N
         if not isinstance(w, torch.nn.Parameter):
             continue
         n, k = (w.shape[2], w.shape[1]) if module.is_transposed else (w.shape[1], w.shape[2])
+        if recipe.lora_svd_rank > min(n, k):
+            raise ValueError(f"{name}.{proj}: lora_svd_rank={recipe.lora_svd_rank} exceeds min(out, in) = "
+                             f"{min(n, k)} of each expert's {n}x{k} weight")
         for spec in recipe.operand_specs():
             if spec.is_2d and min(n, k) < spec.block[0]:
                 raise ValueError(f"{name}.{proj}: expert weight {n}x{k} is smaller than a "
@@ -272,20 +297,48 @@ def convert_experts(model: torch.nn.Module, recipe: Recipe, num_blocks: int | No
         linear_recipe = recipes[name] if recipes[name] is not None else LinearRecipe()
         projections = tuple(p for p in PROJECTIONS if isinstance(getattr(module, p, None), torch.nn.Parameter))
         module.hf_fp4 = ExpertsFP4(linear_recipe, name, recipe.seed, module.down_proj.shape[0], projections)
+        init_expert_factors(module, linear_recipe.lora_svd_rank)
     model.config._experts_implementation = IMPLEMENTATION
     return sum(r is not None and r.quantized for r in recipes.values())
 
 
 def expert_linear(module: torch.nn.Module, proj: str, e: int) -> FP4Linear:
-    """Expert e's projection `proj` as an FP4Linear of the same recipe, name and seed (a copy of its weight
-    slice, [out, in]): the weight views of FP4Linear (dequantized_weight, ...) for one expert."""
+    """Expert e's projection `proj` as an FP4Linear of the same recipe, name and seed (copies of its weight slice,
+    [out, in], and of its LoRA-SVD factors): the weight views of FP4Linear (dequantized_weight, ...) for one
+    expert."""
     state: ExpertsFP4 = module.hf_fp4
     w = getattr(module, proj)[e].detach()
     w = w.t() if module.is_transposed else w
     lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype)
     with torch.no_grad():
         lin.weight.copy_(w)
-    return FP4Linear.from_linear(lin, state.recipe, name=f"{state.name}.{proj}.{e}", seed=state.seed)
+    out = FP4Linear.from_linear(lin, state.recipe, name=f"{state.name}.{proj}.{e}", seed=state.seed)
+    factors = expert_factors(module, proj)
+    if factors is not None:
+        with torch.no_grad():
+            out.lora_svd_A.copy_(factors[0][e])
+            out.lora_svd_B.copy_(factors[1][e])
+    return out
+
+
+def init_expert_factors(module: torch.nn.Module, rank: int) -> None:
+    """Zero LoRA-SVD factors for every projection of an experts module (rank 0: none); the split fills them
+    (hf_fp4.nn.lora_svd, as for FP4Linear)."""
+    if rank == 0:
+        return
+    for proj in module.hf_fp4.projections:
+        w = getattr(module, proj)
+        e, n, k = (w.shape[0], w.shape[2], w.shape[1]) if module.is_transposed else w.shape
+        a_name, b_name = lora_svd.expert_factor_names(proj)
+        module.register_parameter(a_name, torch.nn.Parameter(torch.zeros(e, rank, k, device=w.device, dtype=w.dtype)))
+        module.register_parameter(b_name, torch.nn.Parameter(torch.zeros(e, n, rank, device=w.device, dtype=w.dtype)))
+
+
+def expert_factors(module: torch.nn.Module, proj: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(A [E, r, K], B [E, N, r]) of a projection, or None without LoRA-SVD."""
+    a_name, b_name = lora_svd.expert_factor_names(proj)
+    a = getattr(module, a_name, None)
+    return (a, getattr(module, b_name)) if a is not None else None
 
 
 def dequantized_experts_weight(module: torch.nn.Module, proj: str) -> torch.Tensor:

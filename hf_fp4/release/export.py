@@ -108,6 +108,8 @@ def export_bf16(model, tokenizer, output, overwrite=False, dtype=torch.bfloat16)
         if hasattr(module, "hf_fp4") and module.hf_fp4.recipe.quantized:
             for proj in module.hf_fp4.projections:
                 state[f"{name}.{proj}"] = dequantized_experts_weight(module, proj).to(dtype).cpu()
+                for factor in lora_svd.expert_factor_names(proj):  # folded into the weight above
+                    state.pop(f"{name}.{factor}", None)
     state = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in state.items()}
     cfg = _plain_config(model)
     cfg["dtype"] = str(dtype).removeprefix("torch.")
