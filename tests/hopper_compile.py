@@ -116,13 +116,19 @@ GROUPED_OPERAND_CASES = {
     "ufp4-both-bf16-sr-rht16": (operand_plan("ufp4", "bf16", 16, True, True),
                                 operand_plan("ufp4", "bf16", 16, True, True)),
     "nvfp4-cols-bf16-sr-h64": (None, operand_plan("nvfp4", "bf16", 64, False, True)),
+    # the MX family's FP8 form: B's reference exponents and row scales per (row, group)
+    "mxfp4-both-fp8": OPERAND_CASES["mxfp4-both-fp8"],
+    "mxfp4-both-fp8-h32": OPERAND_CASES["mxfp4-both-fp8-h32"],
+    "mxfp4_2d_up-both-fp8-sr": (operand_plan("mxfp4_2d_up", "fp8", sr=True),
+                                operand_plan("mxfp4_2d_up", "fp8", sr=True)),
 }
 
 
 def group_stats_kernel_args(a: OperandPlan | None, b: OperandPlan | None):
     """(types, constexprs, warps, divisible) of the grouped stats pass."""
     _, (br, bc, warps), _, flags = operand._launch_config((a, b), None)
-    constexprs = dict(BR=br, BC=bc, EVEN=True, CH=operand.GROUP_ROWS, s_c=1, **{k: v for k, v in flags.items() if k != "ACROSS"})
+    constexprs = dict(BR=br, BC=bc, EVEN=True, CH=operand.GROUP_ROWS, s_c=1,
+                      **{k: v for k, v in flags.items() if k != "ACROSS"})
     types = {"t_ptr": "*bf16", "ids_ptr": "*i32", **{p: "*fp32" for p in ("a_stat", "a_signs", "b_stat", "b_signs")}}
     params = inspect.signature(operand._group_stats_kernel.fn).parameters
     divisible = [p for p in params if p not in constexprs and (types.get(p, "").startswith("*") or p in SIZES)]
@@ -137,9 +143,18 @@ def grouped_gemm_cases():
     for label, kernel in (("rows", grouped_gemm._grouped_rows_kernel),
                           ("contraction", grouped_gemm._grouped_contraction_kernel)):
         params = inspect.signature(kernel.fn).parameters
-        divisible = [p for p in params if p not in consts and (types.get(p, "").startswith("*")
-                                                               or p in ("lda", "ldb", "ld_out", "N", "K", "M", "b_step"))]
+        divisible = [p for p in params if p not in consts and (
+            types.get(p, "").startswith("*") or p in ("lda", "ldb", "ld_out", "N", "K", "M", "b_step"))]
         yield f"grouped-gemm-{label}", kernel, types, consts, warps, divisible
+    fp8 = dict(BM=bm, BN=bn, BK=bk, A_BLC=32, A_SHIFT=6, B_BLC=32, B_SHIFT=6, OUT_BF16=True, INTERPRETED=False)
+    types = {"out_ptr": "*bf16", "ends_ptr": "*i32", **{f"{p}{s}": t for p in ("a", "b") for s, t in (
+        ("", "*fp8e4nv"), ("_scale", "*fp32"), ("_side", "*fp8e4nv"), ("_eb", "*i8"), ("_flags", "*i8"))}}
+    for label, kernel in (("rows-fp8", grouped_gemm._grouped_rows_fp8_kernel),
+                          ("contraction-fp8", grouped_gemm._grouped_contraction_fp8_kernel)):
+        params = inspect.signature(kernel.fn).parameters
+        divisible = [p for p in params if p not in fp8 and (types.get(p, "").startswith("*") or p in (
+            "lda", "ldb", "ld_out", "N", "K", "M", "b_step", "bs_step", "as_step", "bf_step"))]
+        yield f"grouped-gemm-{label}", kernel, types, fp8, warps, divisible
 
 
 def cases():

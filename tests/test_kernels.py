@@ -713,3 +713,82 @@ def test_grouped_gemms_are_each_segments_product_scaled_and_rounded_once(scaled)
         assert torch.equal(y[s:t], expect(x[s:t].double() @ w_e.t(), i)), f"fprop segment {i}"
         assert torch.equal(dx[s:t], expect(dy[s:t].double() @ w_e, i)), f"dgrad segment {i}"
         assert torch.equal(dw[i], expect(dy[s:t].double().t() @ x[s:t].double(), i)), f"wgrad expert {i}"
+
+
+def _fp8_group_values(op, plan, e, grouped_scale):
+    """The real values of an FP8 operand with the row scales of group e (grouped_scale: [E, rows] scales)."""
+    from hf_fp4.numerics.operand_plan import fp8_shift
+
+    r_alloc, blc = op.data.shape[0], plan.spec.block[1]
+    scale = (op.scale[e * r_alloc:(e + 1) * r_alloc] if grouped_scale else op.scale).float().cpu()
+    lost = (op.eb != -128).repeat_interleave(blc, 1).cpu()
+    side = (op.side.float() * torch.exp2(op.eb.float() - fp8_shift(plan.spec.grid)).repeat_interleave(blc, 1)).cpu()
+    return torch.where(lost, side, op.data.float().cpu() * scale[:, None])
+
+
+@pytest.mark.parametrize("name,h", [("mxfp4", 0), ("mxfp4", 32), ("mxfp4_2d_up", 0)])
+def test_grouped_fp8_operands_and_gemms_hold_each_experts_reference(name, h):
+    """The MX family's grouped path: x and dy in expert segments, the stacked weights grouped by expert, each
+    group's FP8 operands the reference's bit for bit -- the transposed orientations' reference exponents and row
+    scales per (row, expert) -- with blocks far below their row's (lost blocks, recorded exactly and flagged); the
+    three grouped FP8 GEMMs within FP32 accumulation error of each segment's float64 product (the interpreter
+    accumulates exactly; on the GPU the FP8 MMA's bound)."""
+    from hf_fp4.kernels.grouped_gemm import grouped_contraction_fp8, grouped_rows_fp8
+    from hf_fp4.kernels.operand import triton_operands
+    from hf_fp4.numerics.operand_plan import RowGroups, fp8_shift
+
+    spec = QuantSpec.preset(name)
+    px = (OperandPlan.single(spec, "fp8"), OperandPlan.single(spec, "fp8", h))
+    counts, e_n, k, n = [37, 0, 16, 70], 4, 96, 64  # n, k: multiples of the blocks (no block across experts)
+    g = torch.Generator().manual_seed(5)
+    t_x, ids, starts = _grouped_rows_case(counts, k, px[1].k_align, seed=7)
+    t_dy, _, _ = _grouped_rows_case(counts, n, px[1].k_align, seed=8)
+    # every other 32-row / 32-column chunk 2^-30 below the rest, and the partner operand of each GEMM the other way
+    # round: every operand has blocks far below their row (lost to E4M3, recorded and flagged), and those carry
+    # half of every product -- a GEMM that dropped them would be off by far more than the bound
+    def far(n_):
+        return -30.0 * (torch.arange(n_) // 32 % 2)
+
+    rows_far, n_far, k_far = far(t_x.shape[0]), far(n), far(k)
+    t_x = (t_x.float() * torch.exp2(rows_far[:, None] + k_far[None, :])).to(torch.bfloat16)
+    t_dy = (t_dy.float() * torch.exp2(-30 - rows_far[:, None] - 30 - n_far[None, :])).to(torch.bfloat16)
+    w = (torch.randn(e_n * n, k, generator=g) * torch.exp2(n_far.repeat(e_n)[:, None] - 30 - k_far[None, :])).to(
+        torch.bfloat16)
+    seg_groups = RowGroups(ids.to(DEV), torch.tensor(starts, dtype=torch.int32, device=DEV),
+                           torch.tensor([px[1].k_padded(c) for c in counts], dtype=torch.int32, device=DEV))
+    w_groups = RowGroups((torch.arange(e_n * n, dtype=torch.int32) // n).to(DEV),
+                         torch.arange(0, e_n * n, n, dtype=torch.int32, device=DEV),
+                         torch.full((e_n,), px[1].k_padded(n), dtype=torch.int32, device=DEV))
+    zero = torch.zeros(e_n, 2, dtype=torch.int64, device=DEV)
+    ox, oxt = triton_operands(t_x.to(DEV), px, zero, groups=seg_groups)
+    ody, odyt = triton_operands(t_dy.to(DEV), px, zero, groups=seg_groups)
+    ow, owt = triton_operands(w.to(DEV), (px[0], OperandPlan.single(spec, "fp8")), zero, groups=w_groups)
+    assert all(int(o.flags[-1]) == 1 for o in (ox, oxt, ody, odyt, ow, owt))  # lost blocks in every operand
+    ends = torch.tensor([s + -(-c // px[1].k_align) * px[1].k_align for s, c in zip(starts, counts)],
+                        dtype=torch.int32, device=DEV)
+    blocks = (spec.block[1], fp8_shift(spec.grid)) * 2
+    y = grouped_rows_fp8(ox, ow, ends, n, k, (n * ow.data.stride(0), n * ow.eb.stride(0), n, n), blocks).cpu()
+    dx = grouped_rows_fp8(ody, owt, ends, k, n, (n, n // spec.block[1], owt.data.shape[0], 0), blocks).cpu()
+    dw = grouped_contraction_fp8(odyt, oxt, ends, n, k, (odyt.data.shape[0], oxt.data.shape[0]), blocks).cpu()
+    bits = FP8_MMA_BITS if CUDA else FP32_BITS
+    vx, vdy = _fp8_group_values(ox, px[0], 0, False), _fp8_group_values(ody, px[0], 0, False)
+    vw = _fp8_group_values(ow, px[0], 0, False)
+    for e, (s, c) in enumerate(zip(starts, counts)):
+        if c == 0:
+            assert not dw[e].any()
+            continue
+        rows = slice(s, s + c)
+        xe, dye = t_x[rows].float(), t_dy[rows].float()
+        # the grouped operands are each expert's reference operands
+        ref_xt = reference_operand(xe.t(), px[1], 0, None).data
+        ref_dyt = reference_operand(dye.t(), px[1], 0, None).data
+        ref_wt = reference_operand(w[e * n:(e + 1) * n].float().t(), px[0], 0, None).data
+        vxt = _fp8_group_values(oxt, px[1], e, True)[:k, s:s + ref_xt.shape[1]]
+        vdyt = _fp8_group_values(odyt, px[1], e, True)[:n, s:s + ref_dyt.shape[1]]
+        vwt = _fp8_group_values(owt, px[0], e, True)[:k, e * n:(e + 1) * n]
+        for what, got, want in (("x^T", vxt, ref_xt), ("dy^T", vdyt, ref_dyt), ("W^T", vwt, ref_wt)):
+            torch.testing.assert_close(got, want, atol=0, rtol=0, msg=lambda m: f"{what} of expert {e}: {m}")
+        torch.testing.assert_close(vx[rows, :k], reference_operand(xe, px[0], 0, None).data, atol=0, rtol=0)
+        assert_within_accumulation_error(y[rows], vx[rows, :k], vw[e * n:(e + 1) * n, :k], f"fprop {e}", bits)
+        assert_within_accumulation_error(dx[rows], vdy[rows, :n], vwt, f"dgrad {e}", bits)
+        assert_within_accumulation_error(dw[e], vdyt, vxt, f"wgrad {e}", bits)

@@ -118,11 +118,11 @@ def _operands_fake(t, mu, seeds, signs_a, signs_b, key, group_ids=None, group_st
     result = []
     rows, cols = t.numel() // t.shape[-1], t.shape[-1]
     groups = group_starts.shape[0] if group_starts is not None else 0
-    for plan, (rows, k) in zip(_plans(key), ((rows, cols), (cols, rows))):
+    for i, (plan, (rows, k)) in enumerate(zip(_plans(key), ((rows, cols), (cols, rows)))):
         if plan is None:
             result += [t.new_empty(0, dtype=torch.float32) for _ in range(5)]
         else:
-            result += list(empty_operand(plan, rows, k, t.device, t.dtype, groups=groups))
+            result += list(empty_operand(plan, rows, k, t.device, t.dtype, groups=groups, contraction_grouped=i == 1))
     return result
 
 

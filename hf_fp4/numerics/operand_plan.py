@@ -131,9 +131,12 @@ class RowGroups(NamedTuple):
         return self.starts.shape[0]
 
 
-def empty_operand(plan: OperandPlan, rows: int, k: int, device, dtype=torch.float32, groups: int = 0) -> Operand:
+def empty_operand(plan: OperandPlan, rows: int, k: int, device, dtype=torch.float32, groups: int = 0,
+                  contraction_grouped: bool = False) -> Operand:
     """Allocate an operand of `plan` (shapes and dtypes; also the custom op's fake implementation); `groups` > 0:
-    a grouped operand (RowGroups), whose two-level decode scales are one per group."""
+    a grouped operand (RowGroups), whose two-level decode scales are one per group, and whose FP8 row scales are
+    per row and group ([E * rows]) where the groups run along its contraction (`contraction_grouped`: the
+    transposed orientation)."""
     def none():
         return torch.empty(0, device=device)
 
@@ -145,7 +148,8 @@ def empty_operand(plan: OperandPlan, rows: int, k: int, device, dtype=torch.floa
     r, c = plan.shape(rows, k)
     if plan.form == "fp8":
         return Operand(torch.empty(r, c, dtype=torch.float8_e4m3fn, device=device),
-                       torch.empty(r, dtype=torch.float32, device=device),
+                       torch.empty(r * (groups if groups and contraction_grouped else 1), dtype=torch.float32,
+                                   device=device),
                        torch.empty(r, c, dtype=torch.float8_e4m3fn, device=device),
                        torch.full((r, c // plan.spec.block[1]), -128, dtype=torch.int8, device=device),
                        torch.zeros(r + 1, dtype=torch.int8, device=device))  # [r]: any row flagged

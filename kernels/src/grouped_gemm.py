@@ -27,7 +27,7 @@ import triton.language as tl
 
 from .gemm import _kernel_device
 from .launch import launcher
-from .numerics import bf16_bits
+from .numerics import bf16_bits, pow2
 
 #: (BM, BN, BK, warps, stages): 128 x 128 output tiles, 64-deep steps -- Triton's Hopper GEMM shape; untimed
 #: on the H200 for these kernels yet.
@@ -116,6 +116,117 @@ def _grouped_contraction_kernel(a_ptr, lda, b_ptr, ldb, out_ptr, ends_ptr, a_sca
                   OUT_BF16)
 
 
+# ----------------------------------------------------------------------------------------------
+# FP8 operands (the MX family: E8M0 block scales folded into E4M3 against a reference exponent per row -- per row
+# and expert where the experts run along the contraction; kernels/src/operand.py).  The FP8 tensor cores with a
+# promotion to FP32 after every MMA step, then the two row scales; a tile that touches a row flagged as holding
+# a block below E4M3's range is recomputed exactly in the same program (kernels/src/gemm.py's correction, done
+# where the tile is: flags are rare and read per tile).
+@triton.jit
+def _exact_tile(data, side, eb, scale, rows, ks, row_ok, k_ok, ld, ld_eb, BLC: tl.constexpr, SHIFT: tl.constexpr):
+    """Exact FP32 values of a [rows, ks] tile of an FP8 operand (gemm._exact_values with explicit strides): the
+    E4M3 value times its row scale, or a lost block's side value times 2^(e - SHIFT)."""
+    inside = row_ok[:, None] & k_ok[None, :]
+    offs = rows[:, None].to(tl.int64) * ld + ks[None, :]
+    main = tl.load(data + offs, mask=inside, other=0.0).to(tl.float32)
+    s = tl.load(scale + rows, mask=row_ok, other=0.0)
+    e = tl.load(eb + rows[:, None].to(tl.int64) * ld_eb + ks[None, :] // BLC, mask=inside, other=-128).to(tl.int32)
+    lost = e != -128
+    sv = tl.load(side + offs, mask=inside & lost, other=0.0).to(tl.float32)
+    return tl.where(lost, sv * pow2(tl.where(lost, e, 0) - SHIFT), main * s[:, None])
+
+
+@triton.jit
+def _fp8_tile(a, a_scale, a_side, a_eb, a_flags, lda, ld_aeb, rows, row_ok,
+              b, b_scale, b_side, b_eb, b_flags, ldb, ld_beb, cols, col_ok, k_lo, k_hi,
+              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, A_BLC: tl.constexpr, A_SHIFT: tl.constexpr,
+              B_BLC: tl.constexpr, B_SHIFT: tl.constexpr, INTERPRETED: tl.constexpr):
+    """sum over k in [k_lo, k_hi) of a[rows, k] b[cols, k] in real units (row scales applied), exact where a flagged
+    row is touched.  The pointers are the group's (offsets applied by the caller)."""
+    ks = tl.arange(0, BK)
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BK):
+        k_ok = k0 + ks < k_hi
+        x = tl.load(a + rows[:, None].to(tl.int64) * lda + (k0 + ks)[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                    other=0.0)
+        y = tl.load(b + cols[:, None].to(tl.int64) * ldb + (k0 + ks)[None, :], mask=col_ok[:, None] & k_ok[None, :],
+                    other=0.0)
+        if INTERPRETED:
+            acc = tl.dot(x.to(tl.float32), tl.trans(y.to(tl.float32)), acc, input_precision="ieee")
+        else:  # promoted to FP32 after every MMA step (K 32), not Hopper's default of never
+            acc = tl.dot(x, tl.trans(y), acc, max_num_imprecise_acc=32)
+    sa = tl.load(a_scale + rows, mask=row_ok, other=0.0)
+    sb = tl.load(b_scale + cols, mask=col_ok, other=0.0)
+    acc = acc * sa[:, None] * sb[None, :]
+    flagged = (tl.max(tl.load(a_flags + rows, mask=row_ok, other=0).to(tl.int32), axis=0)
+               + tl.max(tl.load(b_flags + cols, mask=col_ok, other=0).to(tl.int32), axis=0))
+    if flagged > 0:  # rare: the tile again from the exact values, on the BF16 tensor cores (exact products)
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        for k0 in range(k_lo, k_hi, BK):
+            k_ok = k0 + ks < k_hi
+            x = _exact_tile(a, a_side, a_eb, a_scale, rows, k0 + ks, row_ok, k_ok, lda, ld_aeb, A_BLC, A_SHIFT)
+            y = _exact_tile(b, b_side, b_eb, b_scale, cols, k0 + ks, col_ok, k_ok, ldb, ld_beb, B_BLC, B_SHIFT)
+            if INTERPRETED:
+                acc = tl.dot(x, tl.trans(y), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(x.to(tl.bfloat16), tl.trans(y.to(tl.bfloat16)), acc)
+    return acc
+
+
+@triton.jit
+def _grouped_rows_fp8_kernel(a, a_scale, a_side, a_eb, a_flags, lda, ld_aeb,
+                             b, b_scale, b_side, b_eb, b_flags, ldb, ld_beb, b_step, beb_step, bs_step, bf_step,
+                             out_ptr, ld_out, ends_ptr, E, N, K,
+                             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, A_BLC: tl.constexpr,
+                             A_SHIFT: tl.constexpr, B_BLC: tl.constexpr, B_SHIFT: tl.constexpr,
+                             OUT_BF16: tl.constexpr, INTERPRETED: tl.constexpr):
+    """_grouped_rows_kernel on FP8 operands: expert e's B is at element offsets e * b_step (data, side),
+    e * beb_step (block exponents), e * bs_step (row scales), e * bf_step (row flags)."""
+    n_tiles = tl.cdiv(N, BN)
+    tile = tl.program_id(0)
+    seen = 0
+    start = 0
+    for e in range(E):
+        end = tl.load(ends_ptr + e)
+        count = tl.cdiv(end - start, BM) * n_tiles
+        while tile < seen + count:
+            local = tile - seen
+            rows = start + (local // n_tiles) * BM + tl.arange(0, BM)
+            cols = (local % n_tiles) * BN + tl.arange(0, BN)
+            e64 = tl.zeros([], tl.int64) + e
+            acc = _fp8_tile(a, a_scale, a_side, a_eb, a_flags, lda, ld_aeb, rows, rows < end,
+                            b + e64 * b_step, b_scale + e64 * bs_step, b_side + e64 * b_step, b_eb + e64 * beb_step,
+                            b_flags + e64 * bf_step, ldb, ld_beb, cols, cols < N, 0, K, BM, BN, BK, A_BLC, A_SHIFT,
+                            B_BLC, B_SHIFT, INTERPRETED)
+            _store_scaled(out_ptr, ld_out, rows, cols, (rows[:, None] < end) & (cols[None, :] < N), acc, ends_ptr,
+                          ends_ptr, e, False, OUT_BF16)
+            tile += tl.num_programs(0)
+        seen += count
+        start = end
+
+
+@triton.jit
+def _grouped_contraction_fp8_kernel(a, a_scale, a_side, a_eb, a_flags, lda, ld_aeb, as_step,
+                                    b, b_scale, b_side, b_eb, b_flags, ldb, ld_beb, bs_step,
+                                    out_ptr, ends_ptr, M, N,
+                                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, A_BLC: tl.constexpr,
+                                    A_SHIFT: tl.constexpr, B_BLC: tl.constexpr, B_SHIFT: tl.constexpr,
+                                    OUT_BF16: tl.constexpr, INTERPRETED: tl.constexpr):
+    """_grouped_contraction_kernel on FP8 operands whose row scales are per expert (e * as_step, e * bs_step)."""
+    e = tl.program_id(1)
+    n_tiles = tl.cdiv(N, BN)
+    rows = (tl.program_id(0) // n_tiles) * BM + tl.arange(0, BM)
+    cols = (tl.program_id(0) % n_tiles) * BN + tl.arange(0, BN)
+    start = tl.multiple_of(tl.load(ends_ptr + e - 1, mask=e > 0, other=0), 16)
+    end = tl.multiple_of(tl.load(ends_ptr + e), 16)
+    e64 = tl.zeros([], tl.int64) + e
+    acc = _fp8_tile(a, a_scale + e64 * as_step, a_side, a_eb, a_flags, lda, ld_aeb, rows, rows < M,
+                    b, b_scale + e64 * bs_step, b_side, b_eb, b_flags, ldb, ld_beb, cols, cols < N, start, end,
+                    BM, BN, BK, A_BLC, A_SHIFT, B_BLC, B_SHIFT, INTERPRETED)
+    _store_scaled(out_ptr + e64 * M * N, N, rows, cols, (rows[:, None] < M) & (cols[None, :] < N), acc, ends_ptr,
+                  ends_ptr, e, False, OUT_BF16)
+
+
 @functools.lru_cache(maxsize=None)
 def _programs(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -199,4 +310,51 @@ def _contraction_torch(a, b, ends, m, n, a_scale, b_scale, out):
     for e, start, end in _segments(ends):
         acc = a[:m, start:end].float() @ b[:n, start:end].float().t()
         out[e] = _scaled(acc, a_scale, b_scale, e).to(out.dtype)
+    return out
+
+
+def _fp8_args(op) -> list:
+    """An FP8 operand's kernel arguments: data, row scales, side values, block exponents, row flags, strides."""
+    return [op.data, op.scale, op.side, op.eb, op.flags, op.data.stride(0), op.eb.stride(0)]
+
+
+def _need_kernels(t: torch.Tensor) -> None:
+    if not _kernel_device(t):
+        raise RuntimeError("the grouped FP8 GEMMs run on CUDA (or in Triton's interpreter: TRITON_INTERPRET=1)")
+
+
+def grouped_rows_fp8(a, b, ends: torch.Tensor, n: int, k: int, steps: tuple[int, int, int, int],
+                     blocks: tuple[int, int, int, int], out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """grouped_rows on FP8 operands (hf_fp4.numerics.operand_plan.Operand: E4M3 data, row scales, lost blocks):
+    out [R, n], the rows of segment e times expert e's B, whose data / side, block exponents, row scales and row
+    flags start `steps` = (b_step, beb_step, bs_step, bf_step) elements further per expert; blocks = (a's block,
+    a's SHIFT, b's block, b's SHIFT).  Exact as FP4Linear's FP8 GEMM is (kernels/src/gemm.py)."""
+    _check(ends, None, None)
+    _need_kernels(a.data)
+    out = torch.empty((a.data.shape[0], n), dtype=out_dtype, device=a.data.device)
+    bm, bn, bk, warps, stages = TILE
+    programs = _programs(a.data.device.index or 0) if a.data.is_cuda else 4
+    a_blc, a_shift, b_blc, b_shift = blocks
+    launcher(_grouped_rows_fp8_kernel)[(programs,)](
+        *_fp8_args(a), *_fp8_args(b), *steps, out, out.stride(0), ends, ends.shape[0], n, k, BM=bm, BN=bn, BK=bk,
+        A_BLC=a_blc, A_SHIFT=a_shift, B_BLC=b_blc, B_SHIFT=b_shift, OUT_BF16=out_dtype == torch.bfloat16,
+        INTERPRETED=not a.data.is_cuda, num_warps=warps, num_stages=stages)
+    return out
+
+
+def grouped_contraction_fp8(a, b, ends: torch.Tensor, m: int, n: int, scale_steps: tuple[int, int],
+                            blocks: tuple[int, int, int, int], out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """grouped_contraction on FP8 operands whose row scales are per expert: expert e's start `scale_steps` =
+    (a's, b's) elements further (the transposed orientations' [E, rows] scales)."""
+    _check(ends, None, None)
+    _need_kernels(a.data)
+    num = ends.shape[0]
+    out = torch.empty((num, m, n), dtype=out_dtype, device=a.data.device)
+    bm, bn, bk, warps, stages = TILE
+    a_blc, a_shift, b_blc, b_shift = blocks
+    a_args, b_args = _fp8_args(a), _fp8_args(b)
+    launcher(_grouped_contraction_fp8_kernel)[(triton.cdiv(m, bm) * triton.cdiv(n, bn), num)](
+        *a_args, scale_steps[0], *b_args, scale_steps[1], out, ends, m, n, BM=bm, BN=bn, BK=bk, A_BLC=a_blc,
+        A_SHIFT=a_shift, B_BLC=b_blc, B_SHIFT=b_shift, OUT_BF16=out_dtype == torch.bfloat16,
+        INTERPRETED=not a.data.is_cuda, num_warps=warps, num_stages=stages)
     return out

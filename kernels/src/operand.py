@@ -175,31 +175,41 @@ GROUP_ROWS = 16
 
 @triton.jit
 def _group_stats_kernel(t_ptr, R, C, s_r, s_c, ids_ptr, a_stat, a_signs, b_stat, b_signs,
-                        BR: tl.constexpr, BC: tl.constexpr, EVEN: tl.constexpr, CH: tl.constexpr,
+                        b_rows, BR: tl.constexpr, BC: tl.constexpr, EVEN: tl.constexpr, CH: tl.constexpr,
                         A_STAT: tl.constexpr, A_H: tl.constexpr, A_HSCALE: tl.constexpr, A_SIGNS: tl.constexpr,
                         B_STAT: tl.constexpr, B_H: tl.constexpr, B_HSCALE: tl.constexpr, B_SIGNS: tl.constexpr):
     """The tensor amax (STAT 2) of each orientation per group of t's rows (ids_ptr: the group of each row): a
     program reduces its [BR, BC] tile per row of t -- A's rotated along t's columns, B's along t's rows -- and
-    sends one atomic max per CH (GROUP_ROWS) rows into the group's element of the statistic.  A plain pass over
-    whole tiles (a transpose for B's Hadamard); not yet profiled."""
+    sends one atomic max per CH (GROUP_ROWS) rows into the group's element of the statistic.  Per-row statistics
+    (STAT 1, the FP8 form's reference exponents): A's per row of t (rows are not shared by groups), B's per row of
+    B and group (b_stat [E, b_rows]).  A plain pass over whole tiles (a transpose for B's Hadamard); not yet
+    profiled."""
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     cols = tl.program_id(1) * BC + tl.arange(0, BC)
     x = load_tile(t_ptr, rows, cols, R, C, s_r, s_c, t_ptr, False, EVEN)
     NCH: tl.constexpr = BR // CH
     chunks = tl.program_id(0) * BR + tl.arange(0, NCH) * CH
     ids = tl.load(ids_ptr + chunks, mask=chunks < R, other=0)
-    if A_STAT == 2:
+    if A_STAT > 0:
         if A_H > 0:
-            a = finite_abs(hadamard(x, a_signs, BR, BC, A_H, A_HSCALE, A_SIGNS))
+            a = tl.max(finite_abs(hadamard(x, a_signs, BR, BC, A_H, A_HSCALE, A_SIGNS)), axis=1)
         else:
-            a = finite_abs(x)
-        _max_into(a_stat + ids, tl.max(tl.reshape(tl.max(a, axis=1), [NCH, CH]), axis=1), mask=chunks < R)
-    if B_STAT == 2:
-        if B_H > 0:
-            b = tl.max(finite_abs(hadamard(tl.trans(x), b_signs, BC, BR, B_H, B_HSCALE, B_SIGNS)), axis=0)
+            a = tl.max(finite_abs(x), axis=1)
+        if A_STAT == 1:
+            _max_into(a_stat + rows, a, mask=rows < R)
         else:
-            b = tl.max(finite_abs(x), axis=1)
-        _max_into(b_stat + ids, tl.max(tl.reshape(b, [NCH, CH]), axis=1), mask=chunks < R)
+            _max_into(a_stat + ids, tl.max(tl.reshape(a, [NCH, CH]), axis=1), mask=chunks < R)
+    if B_STAT > 0:
+        if B_H > 0:  # [BC, NCH]: per t column and chunk of t's rows
+            b = tl.trans(tl.max(tl.reshape(finite_abs(hadamard(tl.trans(x), b_signs, BC, BR, B_H, B_HSCALE, B_SIGNS)),
+                                           [BC, NCH, CH]), axis=2))
+        else:
+            b = tl.max(tl.reshape(finite_abs(x), [NCH, CH, BC]), axis=1)
+        if B_STAT == 1:  # [NCH, BC] -> b_stat[group, column]
+            _max_into(b_stat + ids[:, None] * b_rows + cols[None, :], b,
+                      mask=(chunks[:, None] < R) & (cols[None, :] < b_rows))
+        else:
+            _max_into(b_stat + ids, tl.max(b, axis=1), mask=chunks < R)
 
 
 @triton.jit
@@ -327,7 +337,14 @@ def _emit(x, rows, cols, col0, first_tile, out_ptr, n_rows, n_cols, stat_ptr, sc
     NBM: tl.constexpr = BM // BLR
     NBK: tl.constexpr = BK // BLC
     e_ref = amax  # (unused but by the FP8 form)
-    if FP8:  # reference exponent: the largest block of the block's rows, from the stats pass
+    if FP8 and GROUPS == 2:  # per (row, group of the block's columns): statistics and row scales [E, n_rows]
+        g = _group_of(grp, cols, BLC, BK)
+        at = g[None, :] * n_rows + rows[:, None]  # [BM, NBK]
+        row_amax = tl.load(stat_ptr + at, mask=rows[:, None] < n_rows, other=0.0)
+        e_ref = e8m0_exponent(tl.max(tl.reshape(row_amax, [NBM, BLR, NBK]), axis=1), SCALE == 1, QM, QE, EMAX)
+        e_each = tl.reshape(tl.broadcast_to(tl.reshape(e_ref, [NBM, 1, NBK]), [NBM, BLR, NBK]), [BM, NBK])
+        tl.store(scale_ptr + at, pow2(e_each - SHIFT), mask=rows[:, None] < n_rows)  # (every tile: the same)
+    elif FP8:  # reference exponent: the largest block of the block's rows, from the stats pass
         row_amax = tl.load(stat_ptr + rows, mask=rows < n_rows, other=0.0)
         e_rows = e8m0_exponent(tl.max(tl.reshape(row_amax, [NBM, BLR]), axis=1), SCALE == 1, QM, QE, EMAX)
         e_ref = tl.broadcast_to(e_rows[:, None], [NBM, NBK])
@@ -417,12 +434,17 @@ def _emit_across(xs, row0, cols, first_tile, out_ptr, n_rows, n_cols, stat_ptr, 
             a = tl.where(a == a, a, float("inf"))
         amax = tl.maximum(amax, a, propagate_nan=tl.PropagateNan.ALL)
     e_ref = amax  # (unused but by the FP8 form)
-    if FP8:  # reference exponent of each of B's rows (t's columns), from the stats pass
+    first_rows = row0 + tl.arange(0, G) * N  # each block's first row of t
+    if FP8 and GROUPED:  # per (B's row, group of the block): statistics and row scales [E, n_rows]
+        at = _group_of(grp, first_rows, 1, G)[:, None] * n_rows + cols[None, :]  # [G, BC]
+        e_ref = e8m0_exponent(tl.load(stat_ptr + at, mask=cols[None, :] < n_rows, other=0.0), SCALE == 1, QM, QE,
+                              EMAX)
+        tl.store(scale_ptr + at, pow2(e_ref - SHIFT), mask=cols[None, :] < n_rows)  # (every tile: the same)
+    elif FP8:  # reference exponent of each of B's rows (t's columns), from the stats pass
         e_cols = e8m0_exponent(tl.load(stat_ptr + cols, mask=cols < n_rows, other=0.0), SCALE == 1, QM, QE, EMAX)
         e_ref = tl.broadcast_to(e_cols[None, :], [G, BC])
         if row0 == 0:  # the row scale, written by the row's first tile
             tl.store(scale_ptr + cols, pow2(e_cols - SHIFT), mask=cols < n_rows)
-    first_rows = row0 + tl.arange(0, G) * N  # each block's first row of t
     t_amax = 0.0
     if SCALE >= 2:
         if GROUPED:
@@ -669,22 +691,25 @@ def triton_operands(t: torch.Tensor, plans: tuple[OperandPlan | None, OperandPla
         return [triton_operands(t, (plans[0], None), seeds, (signs[0], None), mu, tile, groups)[0],
                 triton_operands(t, (None, plans[1]), seeds, (None, signs[1]), mu, tile, groups)[1]]
     dims = ((R, C), (C, R))
-    ops = [empty_operand(p, *d, dev, groups=groups.count if groups is not None else 0) if p is not None else None
-           for p, d in zip(plans, dims)]
+    ops = [empty_operand(p, *d, dev, groups=groups.count if groups is not None else 0, contraction_grouped=i == 1)
+           if p is not None else None for i, (p, d) in enumerate(zip(plans, dims))]
     # Pointers a launch does not use get a 1-element tensor, never t: under torch.compile a tensor passed in
     # several argument slots of a user Triton kernel may be copied once per slot.
     unused = torch.empty(1, dtype=torch.float32, device=dev)
     stats = []
-    for plan, (rows, k) in zip(plans, dims):  # per-row statistics cover the allocated (padded) rows
+    for i, (plan, (rows, k)) in enumerate(zip(plans, dims)):  # per-row statistics cover the allocated rows
         n = 0 if plan is None or plan.stat == 0 else (
             plan.shape(rows, k)[0] if plan.stat == 1 else groups.count if groups is not None else 1)
+        if groups is not None and plan is not None and plan.stat == 1 and i == 1:
+            n *= groups.count  # B's per-row statistics per group: [E, rows]
         stats.append(torch.zeros(n, dtype=torch.float32, device=dev) if n else unused)
     mu_t = mu.to(torch.float32) if mu is not None else unused
     signs_t = [s.to(device=dev, dtype=torch.float32) if s is not None else unused for s in signs]
     if groups is not None and any(p is not None and p.stat for p in plans):
         flags = {k: v for k, v in stat_flags.items() if k != "ACROSS"}
         launcher(_group_stats_kernel)[(triton.cdiv(R, sbr), triton.cdiv(C, sbc))](
-            t, R, C, s_r, s_c, groups.ids, stats[0], signs_t[0], stats[1], signs_t[1], BR=sbr, BC=sbc,
+            t, R, C, s_r, s_c, groups.ids, stats[0], signs_t[0], stats[1], signs_t[1],
+            ops[1].data.shape[0] if ops[1] is not None else 0, BR=sbr, BC=sbc,
             EVEN=R % sbr == 0 and C % sbc == 0, CH=GROUP_ROWS, num_warps=swarps, **flags)
     elif any(p is not None and p.stat for p in plans):
         steps = _stats_steps(R, C, sbr, sbc)
@@ -716,9 +741,6 @@ def triton_operands(t: torch.Tensor, plans: tuple[OperandPlan | None, OperandPla
 
 def _check_groups(plans, seeds: torch.Tensor, mu, groups: RowGroups, rows: int) -> None:
     """What a grouped operand call needs (the layouts of hf_fp4.nn.grouping and grouped.py give it)."""
-    if any(p is not None and p.form != "bf16" for p in plans):
-        raise ValueError("grouped operands are made in the BF16 form only (the FP8 form's per-row reference "
-                         "exponents are not per group yet)")
     if mu is not None:
         raise ValueError("grouped operands take no mean-bias removal")
     e = groups.count
