@@ -432,9 +432,9 @@ def bench_moe(dev, quick, results, presets):
     logits = torch.randn(tokens, e, device=dev, generator=g)
     weights, index = torch.softmax(logits, -1).topk(topk, -1)
     rows, base = [], None
-    # hf_fp4:<preset> takes the grouped GEMMs (hf_fp4.nn.grouped: operands per expert group, BF16 grouped GEMMs --
-    # torch's for E8M0 scales, hf_fp4's with per-expert tensor scales for NVFP4 / UFP4); ":loop" runs the same
-    # preset's per-expert loop, side by side
+    # hf_fp4:<preset> takes the grouped GEMMs (hf_fp4.nn.grouped: operands per expert group; FP8 grouped GEMMs for
+    # the MX family, BF16 ones with per-expert tensor scales for NVFP4 / UFP4); ":loop" runs the same preset's
+    # per-expert loop, side by side
     loops = [f"hf_fp4:{p}:loop" for p in presets]
     for name in ["bf16:grouped_mm", "bf16:eager"] + [f"hf_fp4:{p}" for p in presets] + loops:
         torch.manual_seed(0)

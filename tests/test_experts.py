@@ -191,8 +191,13 @@ def test_experts_kept_in_high_precision_by_a_rule_run_unquantized():
 
 
 def test_bad_expert_configs_are_refused_before_training():
-    with pytest.raises(ValueError, match="LoRA-SVD is not implemented for 3D expert weights"):
-        moe_model("qwen3_moe", "nvfp4", lora_svd_rank=4)
+    from hf_fp4.nn.experts import check_experts
+
+    with pytest.raises(ValueError, match="lora_svd_rank=65 exceeds"):
+        moe_model("qwen3_moe", "nvfp4", lora_svd_rank=65)
+    module = next(iter(experts_modules(moe_model("qwen3_moe", "nvfp4")).values()))
+    with pytest.raises(ValueError, match=r"gate_up_proj: lora_svd_rank=65 exceeds min\(out, in\) = 64"):
+        check_experts("experts", module, preset("nvfp4", lora_svd_rank=65).linear)
     with pytest.raises(ValueError, match="Hadamard size"):
         moe_model("qwen3_moe", "ufp4", hadamard_size=128)
 
@@ -334,7 +339,10 @@ def test_set_fp8_gemms_moves_every_linear_and_experts_module_and_back():
 def _grouped_vs_loop(arch, recipe, grouped, seed=0, dev="cpu"):
     """One bf16 training call of the first experts module on the fast path (interpreted on the CPU): output, dx
     and the 3D weight gradients, with the grouped GEMMs on or off."""
+    recipe, _, variant = recipe.partition("+")
     model = moe_model(arch, recipe).to(device=dev, dtype=torch.bfloat16)
+    if variant:  # "+bf16gemm": the MX family's GEMMs in BF16 (torch._grouped_mm), not FP8
+        hf_fp4.set_fp8_gemms(model, False)
     module = next(iter(experts_modules(model).values()))
     state = module.hf_fp4
     state.backend, state.grouped = "triton", grouped
@@ -357,12 +365,13 @@ GROUPED_DEVICES = ["cpu"] + [pytest.param("cuda", marks=pytest.mark.gpu)] * torc
 @pytest.mark.parametrize("dev", GROUPED_DEVICES)
 @pytest.mark.parametrize("arch,recipe", [("mixtral", "mxfp4"), ("qwen3_moe", "mxfp4_dh"), ("olmoe", "mxfp4"),
                                          ("mixtral", "nvfp4"), ("qwen3_moe", "ufp4"), ("olmoe", "nvfp4"),
-                                         ("mixtral", "tib"), ("qwen3_moe", "fullstack")])
+                                         ("mixtral", "tib"), ("qwen3_moe", "fullstack"), ("olmoe", "mxfp4+bf16gemm")])
 def test_grouped_expert_gemms_equal_the_per_expert_loop(arch, recipe, dev):
-    """The grouped path (hf_fp4.nn.grouped: gathered expert segments, one operand call per tensor, grouped GEMMs)
-    against the per-expert loop on the same bf16 module: the same operands bit for bit, so outputs and gradients
-    differ only by the GEMMs' FP32 summation order and BF16 rounding -- far below the quantization error, which a
-    wrong operand (a block straddling two experts, another expert's weight) would show."""
+    """The grouped path (hf_fp4.nn.grouped: gathered expert segments, one operand call per tensor, grouped GEMMs --
+    FP8 for the MX family, BF16 with per-expert tensor scales for NVFP4 / UFP4, torch's for MX in BF16) against the
+    per-expert loop on the same bf16 module: the same operands bit for bit, so outputs and gradients differ only by
+    the GEMMs' FP32 summation order and BF16 rounding -- far below the quantization error, which a wrong operand (a
+    block straddling two experts, another expert's weight or scale) would show."""
     got = _grouped_vs_loop(arch, recipe, True, dev=dev)
     want = _grouped_vs_loop(arch, recipe, False, dev=dev)
     assert len(got) == len(want) == (8 if recipe == "fullstack" else 4)  # + dA, dB of both projections

@@ -11,14 +11,14 @@ rules select an `ExpertsFP4` state and sets the implementation to "hf_fp4" (regi
 each projection through `FP4LinearFunction` -- the recipe's three GEMMs, with per-GEMM operand specs,
 Hadamard and SR -- on a view of the expert's weight slice, so block and tensor scales are per expert and the
 gradients land in the 3D parameters.  Every (expert, projection) has its own SR / Hadamard seeds, as a
-separate nn.Linear would, and with LoRA-SVD its own factors (`<proj>_lora_svd_A` [E, r, K], `<proj>_lora_svd_B`
-[E, N, r]; hf_fp4.nn.lora_svd splits them expert by expert).  The router is a module of its own (an nn.Linear, or a router holding a weight
-Parameter) and is left to the linear swap's rules: Transformers' routers are not nn.Linear, so they stay
-in high precision.  The loop over experts reads the routing counts on the host; on CUDA each expert's GEMMs
-run on the fast path of FP4Linear (Triton operand kernels, exact FP8 / BF16 GEMMs), one expert at a time --
-except where grouped GEMMs give the loop's operands bit for bit (hf_fp4.nn.grouped: every BF16-form recipe --
-nvfp4, ufp4, and the MX family with ExpertsFP4.fp8_gemms off or on, whose grouped GEMMs run in BF16): all
-experts at once, no host synchronisation.
+separate nn.Linear would, and with LoRA-SVD its own factors (`<proj>_lora_svd_A` [E, r, K],
+`<proj>_lora_svd_B` [E, N, r]; hf_fp4.nn.lora_svd splits them expert by expert).  The router is a module of its
+own (an nn.Linear, or a router holding a weight Parameter) and is left to the linear swap's rules: Transformers'
+routers are not nn.Linear, so they stay in high precision.  The loop over experts reads the routing counts on the
+host; on CUDA each expert's GEMMs run on the fast path of FP4Linear (Triton operand kernels, exact FP8 / BF16
+GEMMs), one expert at a time -- except where grouped GEMMs give the loop's operands bit for bit
+(hf_fp4.nn.grouped: every recipe with BF16 activations, in the loop's GEMM forms): all experts at once, no host
+synchronisation.
 """
 from __future__ import annotations
 
@@ -83,7 +83,7 @@ class ExpertsFP4:
 
     def _build_plans(self) -> None:
         self.plans = plans_by_backend(self.recipe, self.frozen, self._fp8_gemms)
-        self.grouped_plan = plans_by_backend(self.recipe, self.frozen, False)["triton"]  # BF16 operand forms
+        self.grouped_plan = self.plans["triton"]  # the loop's operand forms (FP8 or BF16)
 
     def grouped_reason(self, module: torch.nn.Module, x: torch.Tensor) -> str | None:
         """Why this step runs the per-expert loop instead of the grouped GEMMs (None: it does not)."""

@@ -12,12 +12,14 @@ Each tensor's operands are made by one call whose rows are in groups (RowGroups:
 dy, the experts' N rows of W), each group quantized as the per-expert loop (the spec: ExpertsFP4.linear on each
 expert's rows) quantizes that expert's tensor: its own tensor amax (NVFP4 / UFP4's two-level scales), its own SR
 stream (the expert's seeds, coordinates from the segment's first row, the segment's padded length) -- so the
-operands are the loop's bit for bit (tests/test_experts.py, tests/test_kernels.py).  GEMMs: E8M0 formats
-(mxfp4, mxfp4_dh, mxfp8: no tensor scale) on torch._grouped_mm; the two-level formats on hf_fp4.kernels'
-grouped_gemm, which applies each expert's pair of FP32 tensor scales to the FP32 accumulator before the one
-rounding to BF16, as the loop's GEMM does.  Both accumulate in FP32 on the BF16 tensor cores: outputs equal to
-the loop's within FP32 accumulation error.  `grouped_reason` names what keeps a layer on the loop (FP8 GEMMs,
-biases, mean-bias removal, FP32 activations, dims off the alignment).
+operands are the loop's bit for bit (tests/test_experts.py, tests/test_kernels.py); the FP8 form's reference
+exponents of the transposed orientations are per (row, expert) as well.  GEMMs, in the loop's form per GEMM:
+FP8 (the MX family with fp8_gemms, the default) on hf_fp4.kernels.grouped_gemm's FP8 kernels -- FP32 promotion
+after every MMA step, the two row scales, a tile touching a lost block recomputed exactly in place; the two-level
+formats on its BF16 kernels, which apply each expert's pair of FP32 tensor scales to the FP32 accumulator before
+the one rounding to BF16, as the loop's GEMM does; the MX family in BF16 on torch._grouped_mm.  Outputs equal
+the loop's within FP32 accumulation error.  `grouped_reason` names what keeps a layer on the loop (biases,
+mean-bias removal, FP32 activations, dims off the alignment).
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ import torch
 
 from .autograd import ROLES, tensor_operands
 from .grouping import GroupLayout
-from .operands import TRITON_OPS, LinearPlan, OperandPlan, RowGroups
+from .operands import TRITON_OPS, LinearPlan, Operand, OperandPlan, RowGroups, fp8_shift
 from .recipe import GEMMS
 
 
@@ -41,8 +43,8 @@ def grouped_reason(plan: LinearPlan, n: int, k: int, has_bias: bool, dtype: torc
         return "mean-bias removal / a frozen packed weight"
     for name in ("x", "w", "dy"):
         for p in getattr(plan, name):
-            if p is None or p.form != "bf16":
-                return f"a {p.form if p else 'missing'} operand ({name}): the grouped path runs BF16 operands"
+            if p is None or p.form not in ("bf16", "fp8"):
+                return f"a {p.form if p else 'missing'} operand ({name}): the grouped path runs BF16 / FP8 operands"
     for g, dim in (("fprop", k), ("dgrad", n)):
         align = max(p.k_align for p in _gemm_plans(plan, g))
         if dim % align:
@@ -61,8 +63,9 @@ def segment_align(plan: LinearPlan) -> int:
 
 
 def _per_group(pair) -> bool:
-    """Whether a tensor's operands depend on its group beyond its own blocks (tensor amax, SR)."""
-    return any(p is not None and (p.stat == 2 or p.stochastic) for p in pair)
+    """Whether a tensor's operands depend on its group beyond its own blocks (tensor amax, SR, the FP8 form's
+    reference exponents along the groups)."""
+    return any(p is not None and (p.stat == 2 or p.stochastic or p.form == "fp8") for p in pair)
 
 
 def _padded(rows: torch.Tensor, p: OperandPlan | None) -> torch.Tensor:
@@ -125,8 +128,74 @@ def _(a, b, ends, m, n, a_scale, b_scale):
     return a.new_empty(ends.shape[0], m, n, dtype=torch.bfloat16)
 
 
+def _rows_fp8_impl(a_data: torch.Tensor, a_scale: torch.Tensor, a_side: torch.Tensor, a_eb: torch.Tensor,
+                   a_flags: torch.Tensor, b_data: torch.Tensor, b_scale: torch.Tensor, b_side: torch.Tensor,
+                   b_eb: torch.Tensor, b_flags: torch.Tensor, ends: torch.Tensor, n: int, k: int, steps: list[int],
+                   blocks: list[int]) -> torch.Tensor:
+    from ..kernels.grouped_gemm import grouped_rows_fp8
+
+    return grouped_rows_fp8(Operand(a_data, a_scale, a_side, a_eb, a_flags),
+                            Operand(b_data, b_scale, b_side, b_eb, b_flags), ends, n, k, tuple(steps), tuple(blocks))
+
+
+def _contraction_fp8_impl(a_data: torch.Tensor, a_scale: torch.Tensor, a_side: torch.Tensor, a_eb: torch.Tensor,
+                          a_flags: torch.Tensor, b_data: torch.Tensor, b_scale: torch.Tensor, b_side: torch.Tensor,
+                          b_eb: torch.Tensor, b_flags: torch.Tensor, ends: torch.Tensor, m: int, n: int,
+                          steps: list[int], blocks: list[int]) -> torch.Tensor:
+    from ..kernels.grouped_gemm import grouped_contraction_fp8
+
+    return grouped_contraction_fp8(Operand(a_data, a_scale, a_side, a_eb, a_flags),
+                                   Operand(b_data, b_scale, b_side, b_eb, b_flags), ends, m, n, tuple(steps),
+                                   tuple(blocks))
+
+
+_rows_fp8_op = torch.library.custom_op("hf_fp4::grouped_rows_fp8", _rows_fp8_impl, mutates_args=())
+_rows_fp8_cuda_op = torch.library.triton_op("hf_fp4::grouped_rows_fp8_cuda", _rows_fp8_impl, mutates_args=())
+_contraction_fp8_op = torch.library.custom_op("hf_fp4::grouped_contraction_fp8", _contraction_fp8_impl,
+                                              mutates_args=())
+_contraction_fp8_cuda_op = torch.library.triton_op("hf_fp4::grouped_contraction_fp8_cuda", _contraction_fp8_impl,
+                                                   mutates_args=())
+
+
+@_rows_fp8_op.register_fake
+def _(a_data, a_scale, a_side, a_eb, a_flags, b_data, b_scale, b_side, b_eb, b_flags, ends, n, k, steps, blocks):
+    return a_data.new_empty(a_data.shape[0], n, dtype=torch.bfloat16)
+
+
+@_contraction_fp8_op.register_fake
+def _(a_data, a_scale, a_side, a_eb, a_flags, b_data, b_scale, b_side, b_eb, b_flags, ends, m, n, steps, blocks):
+    return a_data.new_empty(ends.shape[0], m, n, dtype=torch.bfloat16)
+
+
 def _op(opaque, cuda, t: torch.Tensor):
     return cuda if TRITON_OPS and t.is_cuda else opaque
+
+
+def _blocks(pa: OperandPlan, pb: OperandPlan) -> list[int]:
+    """The FP8 GEMMs' (a's block, a's SHIFT, b's block, b's SHIFT)."""
+    return [pa.spec.block[1], fp8_shift(pa.spec.grid), pb.spec.block[1], fp8_shift(pb.spec.grid)]
+
+
+def _two_level(plan: LinearPlan) -> bool:
+    return any(p is not None and p.stat == 2 for p in (*plan.x, *plan.w, *plan.dy))
+
+
+def _rows_gemm(form: str, a: Operand, b: Operand, pa: OperandPlan, pb: OperandPlan, plan: LinearPlan, ends, e: int,
+               rows: int, n: int, k: int, weight_rows: bool, t: torch.Tensor) -> torch.Tensor:
+    """[R, n]: segment e of a [R, k] times expert e's B -- the stacked weights' rows e*n.. (weight_rows, fprop) or
+    W^T's columns e*k.. (dgrad: B [n, E*k], its contraction k) -- in the GEMM's form."""
+    if form == "fp8":
+        if weight_rows:
+            steps = [n * b.data.stride(0), n * b.eb.stride(0), n, n]
+        else:  # W^T: columns e*k.. of data, side and exponents; row scales [E, rows]; flags per row of W^T
+            steps = [k, k // pb.spec.block[1], b.data.shape[0], 0]
+        return _op(_rows_fp8_op, _rows_fp8_cuda_op, t)(*a, *b, ends, n, k, steps, _blocks(pa, pb))
+    step = n * b.data.stride(0) if weight_rows else k
+    if _two_level(plan):
+        return _op(_rows_op, _rows_cuda_op, t)(a.data, b.data, ends, n, k, step, _scales(a, pa, e), _scales(b, pb, e))
+    w = (b.data[:e * n, :k].view(e, n, k).transpose(1, 2) if weight_rows
+         else b.data[:n, :e * k].view(n, e, k).permute(1, 2, 0))
+    return torch._grouped_mm(a.data[:rows, :k], w, offs=ends)
 
 
 class GroupedFP4Function(torch.autograd.Function):
@@ -143,18 +212,12 @@ class GroupedFP4Function(torch.autograd.Function):
         x_seeds = seeds[:, 0:2].contiguous() if plan.seeded("x") else torch.zeros_like(seeds[:, 0:2])
         ox, oxt = _pair(xg, plan, "x", x_seeds, signs, need[1], g_x)
         ow, owt = _pair(weight.reshape(e * n, k), plan, "w", seeds[:, 2:4].contiguous(), signs, need[0], g_w)
-        scaled = any(p is not None and p.stat == 2 for p in (*plan.x, *plan.w, *plan.dy))
         # fprop: y = Q(x) Q(W_e)^T per segment    [R,K] @ [K,N] -> [R,N]
-        if scaled:
-            y = _op(_rows_op, _rows_cuda_op, xg)(ox.data, ow.data, ends, n, k, n * ow.data.stride(0),
-                                                 _scales(ox, plan.x[0], e), _scales(ow, plan.w[0], e))
-        else:
-            y = torch._grouped_mm(ox.data[:rows, :k], ow.data[:e * n, :k].view(e, n, k).transpose(1, 2), offs=ends)
-        ctx.plan, ctx.shape, ctx.w_dtype, ctx.scaled = plan, (e, n, k, rows), weight.dtype, scaled
+        y = _rows_gemm(plan.forms[0], ox, ow, plan.x[0], plan.w[0], plan, ends, e, rows, n, k, True, xg)
+        ctx.plan, ctx.shape, ctx.w_dtype = plan, (e, n, k, rows), weight.dtype
         ctx.dy_grouped = g_dy is not None
-        xt = (oxt.data, _scales(oxt, plan.x[1], e)) if oxt is not None else (None, None)
-        wt = (owt.data, _scales(owt, plan.w[1], e)) if owt is not None else (None, None)
-        ctx.save_for_backward(ends, valid, seeds, *signs, *xt, *wt, *(g_dy or ()))
+        none = (None,) * 5
+        ctx.save_for_backward(ends, valid, seeds, *signs, *(oxt or none), *(owt or none), *(g_dy or ()))
         return torch.where(valid[:, None], y, 0.0)
 
     @staticmethod
@@ -162,26 +225,27 @@ class GroupedFP4Function(torch.autograd.Function):
         e, n, k, rows = ctx.shape
         plan = ctx.plan
         ends, valid, seeds, *rest = ctx.saved_tensors
-        signs, (xt, xt_scale, wt, wt_scale) = tuple(rest[:len(GEMMS)]), rest[len(GEMMS):len(GEMMS) + 4]
-        g_dy = RowGroups(*rest[len(GEMMS) + 4:]) if ctx.dy_grouped else None
+        signs, rest = tuple(rest[:len(GEMMS)]), rest[len(GEMMS):]
+        oxt, owt = Operand(*rest[:5]), Operand(*rest[5:10])
+        g_dy = RowGroups(*rest[10:]) if ctx.dy_grouped else None
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         ody, odyt = _pair(dy.contiguous(), plan, "dy", seeds[:, 4:6].contiguous(), signs, need_dw, g_dy)
         dx = dw = None
         if need_dx:
             # dgrad: dx = Q(dy) Q(W_e^T)^T per segment    [R,N] @ [N,K] -> [R,K]
-            if ctx.scaled:
-                dx = _op(_rows_op, _rows_cuda_op, dy)(ody.data, wt, ends, k, n, n, _scales(ody, plan.dy[0], e),
-                                                      wt_scale)
-            else:
-                dx = torch._grouped_mm(ody.data[:rows, :n], wt[:k, :e * n].view(k, e, n).permute(1, 2, 0), offs=ends)
+            dx = _rows_gemm(plan.forms[1], ody, owt, plan.dy[0], plan.w[1], plan, ends, e, rows, k, n, False, dy)
             dx = torch.where(valid[:, None], dx, 0.0)
         if need_dw:
             # wgrad: dW_e = Q(dy_e^T) Q(x_e^T)^T per expert    [N,R_e] @ [R_e,K] -> [N,K]
-            if ctx.scaled:
-                dw = _op(_contraction_op, _contraction_cuda_op, dy)(odyt.data, xt, ends, n, k,
-                                                                    _scales(odyt, plan.dy[1], e), xt_scale)
+            pa, pb = plan.dy[1], plan.x[1]
+            if plan.forms[2] == "fp8":
+                dw = _op(_contraction_fp8_op, _contraction_fp8_cuda_op, dy)(
+                    *odyt, *oxt, ends, n, k, [odyt.data.shape[0], oxt.data.shape[0]], _blocks(pa, pb))
+            elif _two_level(plan):
+                dw = _op(_contraction_op, _contraction_cuda_op, dy)(odyt.data, oxt.data, ends, n, k,
+                                                                    _scales(odyt, pa, e), _scales(oxt, pb, e))
             else:
-                dw = torch._grouped_mm(odyt.data[:n, :rows], xt[:k, :rows].t(), offs=ends)
+                dw = torch._grouped_mm(odyt.data[:n, :rows], oxt.data[:k, :rows].t(), offs=ends)
             dw = dw.to(ctx.w_dtype)
         return dx, dw, None, None, None, None, None, None, None
 

@@ -33,18 +33,24 @@ from .numerics import bf16_bits, pow2
 
 
 @triton.jit
+def exact_tile(data, side, eb, scale, rows, ks, row_ok, k_ok, ld, ld_eb, BLC: tl.constexpr, SHIFT: tl.constexpr):
+    """Exact FP32 values of a [rows, ks] tile of an FP8 operand (rows of stride ld, block exponents of stride
+    ld_eb): the E4M3 value times its row scale, or a lost block's side value times 2^(e - SHIFT)."""
+    inside = row_ok[:, None] & k_ok[None, :]
+    offs = rows[:, None].to(tl.int64) * ld + ks[None, :]
+    main = tl.load(data + offs, mask=inside, other=0.0).to(tl.float32)
+    row_scale = tl.load(scale + rows, mask=row_ok, other=0.0)
+    e = tl.load(eb + rows[:, None].to(tl.int64) * ld_eb + ks[None, :] // BLC, mask=inside, other=-128).to(tl.int32)
+    lost = e != -128
+    sv = tl.load(side + offs, mask=inside & lost, other=0.0).to(tl.float32)
+    return tl.where(lost, sv * pow2(tl.where(lost, e, 0) - SHIFT), main * row_scale[:, None])
+
+
+@triton.jit
 def _exact_values(data_ptr, side_ptr, eb_ptr, scale_ptr, rows, ks, n_rows, K,
                   BLC: tl.constexpr, SHIFT: tl.constexpr):
     """Exact FP32 values of a [rows, ks] tile of an FP8 operand (folded, or a lost block's side value)."""
-    inside = (rows[:, None] < n_rows) & (ks[None, :] < K)
-    offs = rows[:, None].to(tl.int64) * K + ks[None, :]
-    main = tl.load(data_ptr + offs, mask=inside, other=0.0).to(tl.float32)
-    row_scale = tl.load(scale_ptr + rows, mask=rows < n_rows, other=0.0)
-    eb = tl.load(eb_ptr + rows[:, None].to(tl.int64) * (K // BLC) + ks[None, :] // BLC, mask=inside,
-                 other=-128).to(tl.int32)
-    lost = eb != -128
-    side = tl.load(side_ptr + offs, mask=inside & lost, other=0.0).to(tl.float32)
-    return tl.where(lost, side * pow2(tl.where(lost, eb, 0) - SHIFT), main * row_scale[:, None])
+    return exact_tile(data_ptr, side_ptr, eb_ptr, scale_ptr, rows, ks, rows < n_rows, ks < K, K, K // BLC, BLC, SHIFT)
 
 
 @triton.jit

@@ -25,9 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .gemm import _kernel_device
+from .gemm import _kernel_device, exact_tile
 from .launch import launcher
-from .numerics import bf16_bits, pow2
+from .numerics import bf16_bits
 
 #: (BM, BN, BK, warps, stages): 128 x 128 output tiles, 64-deep steps -- Triton's Hopper GEMM shape; untimed
 #: on the H200 for these kernels yet.
@@ -123,20 +123,6 @@ def _grouped_contraction_kernel(a_ptr, lda, b_ptr, ldb, out_ptr, ends_ptr, a_sca
 # a block below E4M3's range is recomputed exactly in the same program (kernels/src/gemm.py's correction, done
 # where the tile is: flags are rare and read per tile).
 @triton.jit
-def _exact_tile(data, side, eb, scale, rows, ks, row_ok, k_ok, ld, ld_eb, BLC: tl.constexpr, SHIFT: tl.constexpr):
-    """Exact FP32 values of a [rows, ks] tile of an FP8 operand (gemm._exact_values with explicit strides): the
-    E4M3 value times its row scale, or a lost block's side value times 2^(e - SHIFT)."""
-    inside = row_ok[:, None] & k_ok[None, :]
-    offs = rows[:, None].to(tl.int64) * ld + ks[None, :]
-    main = tl.load(data + offs, mask=inside, other=0.0).to(tl.float32)
-    s = tl.load(scale + rows, mask=row_ok, other=0.0)
-    e = tl.load(eb + rows[:, None].to(tl.int64) * ld_eb + ks[None, :] // BLC, mask=inside, other=-128).to(tl.int32)
-    lost = e != -128
-    sv = tl.load(side + offs, mask=inside & lost, other=0.0).to(tl.float32)
-    return tl.where(lost, sv * pow2(tl.where(lost, e, 0) - SHIFT), main * s[:, None])
-
-
-@triton.jit
 def _fp8_tile(a, a_scale, a_side, a_eb, a_flags, lda, ld_aeb, rows, row_ok,
               b, b_scale, b_side, b_eb, b_flags, ldb, ld_beb, cols, col_ok, k_lo, k_hi,
               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, A_BLC: tl.constexpr, A_SHIFT: tl.constexpr,
@@ -164,8 +150,8 @@ def _fp8_tile(a, a_scale, a_side, a_eb, a_flags, lda, ld_aeb, rows, row_ok,
         acc = tl.zeros([BM, BN], dtype=tl.float32)
         for k0 in range(k_lo, k_hi, BK):
             k_ok = k0 + ks < k_hi
-            x = _exact_tile(a, a_side, a_eb, a_scale, rows, k0 + ks, row_ok, k_ok, lda, ld_aeb, A_BLC, A_SHIFT)
-            y = _exact_tile(b, b_side, b_eb, b_scale, cols, k0 + ks, col_ok, k_ok, ldb, ld_beb, B_BLC, B_SHIFT)
+            x = exact_tile(a, a_side, a_eb, a_scale, rows, k0 + ks, row_ok, k_ok, lda, ld_aeb, A_BLC, A_SHIFT)
+            y = exact_tile(b, b_side, b_eb, b_scale, cols, k0 + ks, col_ok, k_ok, ldb, ld_beb, B_BLC, B_SHIFT)
             if INTERPRETED:
                 acc = tl.dot(x, tl.trans(y), acc, input_precision="ieee")
             else:
