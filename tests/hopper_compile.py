@@ -136,25 +136,21 @@ def group_stats_kernel_args(a: OperandPlan | None, b: OperandPlan | None):
 
 
 def grouped_gemm_cases():
+    """The grouped GEMM kernels: BF16 operands with per-expert tensor scales, and FP8 operands (MXFP4's blocks)."""
     bm, bn, bk, warps, _ = grouped_gemm.TILE
-    consts = dict(BM=bm, BN=bn, BK=bk, SCALED=True, OUT_BF16=True, INTERPRETED=False)
-    types = {"a_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "ends_ptr": "*i32", "a_scale": "*fp32",
-             "b_scale": "*fp32"}
-    for label, kernel in (("rows", grouped_gemm._grouped_rows_kernel),
-                          ("contraction", grouped_gemm._grouped_contraction_kernel)):
-        params = inspect.signature(kernel.fn).parameters
-        divisible = [p for p in params if p not in consts and (
-            types.get(p, "").startswith("*") or p in ("lda", "ldb", "ld_out", "N", "K", "M", "b_step"))]
-        yield f"grouped-gemm-{label}", kernel, types, consts, warps, divisible
-    fp8 = dict(BM=bm, BN=bn, BK=bk, A_BLC=32, A_SHIFT=6, B_BLC=32, B_SHIFT=6, OUT_BF16=True, INTERPRETED=False)
-    types = {"out_ptr": "*bf16", "ends_ptr": "*i32", **{f"{p}{s}": t for p in ("a", "b") for s, t in (
-        ("", "*fp8e4nv"), ("_scale", "*fp32"), ("_side", "*fp8e4nv"), ("_eb", "*i8"), ("_flags", "*i8"))}}
-    for label, kernel in (("rows-fp8", grouped_gemm._grouped_rows_fp8_kernel),
-                          ("contraction-fp8", grouped_gemm._grouped_contraction_fp8_kernel)):
-        params = inspect.signature(kernel.fn).parameters
-        divisible = [p for p in params if p not in fp8 and (types.get(p, "").startswith("*") or p in (
-            "lda", "ldb", "ld_out", "N", "K", "M", "b_step", "bs_step", "as_step", "bf_step"))]
-        yield f"grouped-gemm-{label}", kernel, types, fp8, warps, divisible
+    sizes = ("lda", "ldb", "ld_out", "N", "K", "M", "b_step", "bs_step", "as_step", "bf_step", "ld_aeb", "ld_beb",
+             "beb_step")
+    for fp8 in (False, True):
+        consts = dict(BM=bm, BN=bn, BK=bk, FP8=fp8, SCALED=not fp8, A_BLC=32 if fp8 else 1, A_SHIFT=6 if fp8 else 0,
+                      B_BLC=32 if fp8 else 1, B_SHIFT=6 if fp8 else 0, OUT_BF16=True, INTERPRETED=False)
+        types = {"out_ptr": "*bf16", "ends_ptr": "*i32", **{f"{p}{s}": t for p in ("a", "b") for s, t in (
+            ("", "*fp8e4nv" if fp8 else "*bf16"), ("_scale", "*fp32"), ("_side", "*fp8e4nv"), ("_eb", "*i8"),
+            ("_flags", "*i8"))}}
+        for label, kernel in (("rows", grouped_gemm._grouped_rows_kernel),
+                              ("contraction", grouped_gemm._grouped_contraction_kernel)):
+            params = inspect.signature(kernel.fn).parameters
+            divisible = [p for p in params if p not in consts and (types.get(p, "").startswith("*") or p in sizes)]
+            yield f"grouped-gemm-{label}{'-fp8' if fp8 else ''}", kernel, types, consts, warps, divisible
 
 
 def cases():

@@ -35,85 +35,22 @@ TILE = (128, 128, 64, 8, 3)
 
 
 @triton.jit
-def _dot_step(a_ptrs, b_ptrs, a_mask, b_mask, acc, INTERPRETED: tl.constexpr):
-    a = tl.load(a_ptrs, mask=a_mask, other=0.0)
-    b = tl.load(b_ptrs, mask=b_mask, other=0.0)
-    if INTERPRETED:  # the interpreter multiplies BF16 operands of tl.dot as their raw bits: FP32 there
-        return tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc, input_precision="ieee")
-    return tl.dot(a, tl.trans(b), acc)
-
-
-@triton.jit
-def _store_scaled(out_ptr, ld_out, rows, cols, mask, acc, a_scale, b_scale, e, SCALED: tl.constexpr,
-                  OUT_BF16: tl.constexpr):
-    """acc * (s_a[e] * s_b[e]) rounded once to the output dtype (BF16: to nearest even, by hand)."""
-    if SCALED:
-        acc = acc * (tl.load(a_scale + e) * tl.load(b_scale + e))
-    optr = out_ptr + rows[:, None].to(tl.int64) * ld_out + cols[None, :]
-    if OUT_BF16:
-        tl.store(optr.to(tl.pointer_type(tl.int16)), bf16_bits(acc), mask=mask)
-    else:
-        tl.store(optr, acc, mask=mask)
-
-
-@triton.jit
-def _grouped_rows_kernel(a_ptr, lda, b_ptr, ldb, b_step, out_ptr, ld_out, ends_ptr, a_scale, b_scale, E, N, K,
-                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SCALED: tl.constexpr,
-                         OUT_BF16: tl.constexpr, INTERPRETED: tl.constexpr):
-    """Persistent: program p takes tiles p, p + P, ... of the list (expert, row tile, column tile), row tiles of an
-    expert's segment first-major so that neighbouring programs share the segment's rows."""
-    n_tiles = tl.cdiv(N, BN)
-    tile = tl.program_id(0)
-    seen = 0
-    start = 0
-    for e in range(E):
-        end = tl.load(ends_ptr + e)
-        count = tl.cdiv(end - start, BM) * n_tiles
-        while tile < seen + count:
-            local = tile - seen
-            rows = start + (local // n_tiles) * BM + tl.arange(0, BM)
-            cols = (local % n_tiles) * BN + tl.arange(0, BN)
-            ks = tl.arange(0, BK)
-            a_ptrs = a_ptr + rows[:, None].to(tl.int64) * lda + ks[None, :]
-            b_ptrs = b_ptr + (tl.zeros([], tl.int64) + e) * b_step + cols[:, None].to(tl.int64) * ldb + ks[None, :]
-            acc = tl.zeros([BM, BN], dtype=tl.float32)
-            for k0 in range(0, K, BK):
-                acc = _dot_step(a_ptrs, b_ptrs, (rows[:, None] < end) & (k0 + ks[None, :] < K),
-                                (cols[:, None] < N) & (k0 + ks[None, :] < K), acc, INTERPRETED)
-                a_ptrs += BK
-                b_ptrs += BK
-            _store_scaled(out_ptr, ld_out, rows, cols, (rows[:, None] < end) & (cols[None, :] < N), acc, a_scale,
-                          b_scale, e, SCALED, OUT_BF16)
-            tile += tl.num_programs(0)
-        seen += count
-        start = end
-
-
-@triton.jit
-def _grouped_contraction_kernel(a_ptr, lda, b_ptr, ldb, out_ptr, ends_ptr, a_scale, b_scale, M, N,
-                                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SCALED: tl.constexpr,
-                                OUT_BF16: tl.constexpr, INTERPRETED: tl.constexpr):
-    """Program (tile, e): one [BM, BN] tile of out[e] = a[:, seg e] @ b[:, seg e]^T; zero for an empty segment."""
-    e = tl.program_id(1)
-    n_tiles = tl.cdiv(N, BN)
-    rows = (tl.program_id(0) // n_tiles) * BM + tl.arange(0, BM)
-    cols = (tl.program_id(0) % n_tiles) * BN + tl.arange(0, BN)
-    # segments start and end at multiples of 16 rows (the callers' layouts): the hint lets the loads be vectorised
-    start = tl.multiple_of(tl.load(ends_ptr + e - 1, mask=e > 0, other=0), 16)
-    end = tl.multiple_of(tl.load(ends_ptr + e), 16)
-    ks = start + tl.arange(0, BK)
-    a_ptrs = a_ptr + rows[:, None].to(tl.int64) * lda + ks[None, :]
-    b_ptrs = b_ptr + cols[:, None].to(tl.int64) * ldb + ks[None, :]
+def _bf16_tile(a, lda, rows, row_ok, b, ldb, cols, col_ok, k_lo, k_hi, BM: tl.constexpr, BN: tl.constexpr,
+               BK: tl.constexpr, INTERPRETED: tl.constexpr):
+    """sum over k in [k_lo, k_hi) of a[rows, k] b[cols, k] (BF16 operands, FP32 accumulation)."""
+    ks = tl.arange(0, BK)
     acc = tl.zeros([BM, BN], dtype=tl.float32)
-    for k0 in range(start, end, BK):
-        inside = k0 - start + ks[None, :] < end
-        acc = _dot_step(a_ptrs, b_ptrs, (rows[:, None] < M) & inside, (cols[:, None] < N) & inside, acc,
-                        INTERPRETED)
-        a_ptrs += BK
-        b_ptrs += BK
-    out_e = out_ptr + (tl.zeros([], tl.int64) + e) * M * N
-    _store_scaled(out_e, N, rows, cols, (rows[:, None] < M) & (cols[None, :] < N), acc, a_scale, b_scale, e, SCALED,
-                  OUT_BF16)
+    for k0 in range(k_lo, k_hi, BK):
+        k_ok = k0 + ks < k_hi
+        x = tl.load(a + rows[:, None].to(tl.int64) * lda + (k0 + ks)[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                    other=0.0)
+        y = tl.load(b + cols[:, None].to(tl.int64) * ldb + (k0 + ks)[None, :], mask=col_ok[:, None] & k_ok[None, :],
+                    other=0.0)
+        if INTERPRETED:  # the interpreter multiplies BF16 operands of tl.dot as their raw bits: FP32 there
+            acc = tl.dot(x.to(tl.float32), tl.trans(y.to(tl.float32)), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, tl.trans(y), acc)
+    return acc
 
 
 # ----------------------------------------------------------------------------------------------
@@ -160,14 +97,45 @@ def _fp8_tile(a, a_scale, a_side, a_eb, a_flags, lda, ld_aeb, rows, row_ok,
 
 
 @triton.jit
-def _grouped_rows_fp8_kernel(a, a_scale, a_side, a_eb, a_flags, lda, ld_aeb,
-                             b, b_scale, b_side, b_eb, b_flags, ldb, ld_beb, b_step, beb_step, bs_step, bf_step,
-                             out_ptr, ld_out, ends_ptr, E, N, K,
-                             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, A_BLC: tl.constexpr,
-                             A_SHIFT: tl.constexpr, B_BLC: tl.constexpr, B_SHIFT: tl.constexpr,
-                             OUT_BF16: tl.constexpr, INTERPRETED: tl.constexpr):
-    """_grouped_rows_kernel on FP8 operands: expert e's B is at element offsets e * b_step (data, side),
-    e * beb_step (block exponents), e * bs_step (row scales), e * bf_step (row flags)."""
+def _tile(a, a_scale, a_side, a_eb, a_flags, lda, ld_aeb, rows, row_ok,
+          b, b_scale, b_side, b_eb, b_flags, ldb, ld_beb, cols, col_ok, k_lo, k_hi, e,
+          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr, SCALED: tl.constexpr,
+          A_BLC: tl.constexpr, A_SHIFT: tl.constexpr, B_BLC: tl.constexpr, B_SHIFT: tl.constexpr,
+          INTERPRETED: tl.constexpr):
+    """One output tile in real units: FP8 (row scales a_scale / b_scale, lost blocks) or BF16 (SCALED: times the
+    group's FP32 tensor scales a_scale[e] * b_scale[e])."""
+    if FP8:
+        acc = _fp8_tile(a, a_scale, a_side, a_eb, a_flags, lda, ld_aeb, rows, row_ok, b, b_scale, b_side, b_eb,
+                        b_flags, ldb, ld_beb, cols, col_ok, k_lo, k_hi, BM, BN, BK, A_BLC, A_SHIFT, B_BLC, B_SHIFT,
+                        INTERPRETED)
+    else:
+        acc = _bf16_tile(a, lda, rows, row_ok, b, ldb, cols, col_ok, k_lo, k_hi, BM, BN, BK, INTERPRETED)
+        if SCALED:
+            acc = acc * (tl.load(a_scale + e) * tl.load(b_scale + e))
+    return acc
+
+
+@triton.jit
+def _store(out_ptr, ld_out, rows, cols, mask, acc, OUT_BF16: tl.constexpr):
+    """acc rounded once to the output dtype (BF16: to nearest even, by hand)."""
+    optr = out_ptr + rows[:, None].to(tl.int64) * ld_out + cols[None, :]
+    if OUT_BF16:
+        tl.store(optr.to(tl.pointer_type(tl.int16)), bf16_bits(acc), mask=mask)
+    else:
+        tl.store(optr, acc, mask=mask)
+
+
+@triton.jit
+def _grouped_rows_kernel(a, a_scale, a_side, a_eb, a_flags, lda, ld_aeb,
+                         b, b_scale, b_side, b_eb, b_flags, ldb, ld_beb, b_step, beb_step, bs_step, bf_step,
+                         out_ptr, ld_out, ends_ptr, E, N, K,
+                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr,
+                         SCALED: tl.constexpr, A_BLC: tl.constexpr, A_SHIFT: tl.constexpr, B_BLC: tl.constexpr,
+                         B_SHIFT: tl.constexpr, OUT_BF16: tl.constexpr, INTERPRETED: tl.constexpr):
+    """Persistent: program p takes tiles p, p + P, ... of the list (expert, row tile, column tile), row tiles of an
+    expert's segment first-major so that neighbouring programs share the segment's rows.  Expert e's B starts
+    e * b_step elements further (FP8: its side values too; block exponents e * beb_step, row scales e * bs_step,
+    row flags e * bf_step)."""
     n_tiles = tl.cdiv(N, BN)
     tile = tl.program_id(0)
     seen = 0
@@ -180,37 +148,38 @@ def _grouped_rows_fp8_kernel(a, a_scale, a_side, a_eb, a_flags, lda, ld_aeb,
             rows = start + (local // n_tiles) * BM + tl.arange(0, BM)
             cols = (local % n_tiles) * BN + tl.arange(0, BN)
             e64 = tl.zeros([], tl.int64) + e
-            acc = _fp8_tile(a, a_scale, a_side, a_eb, a_flags, lda, ld_aeb, rows, rows < end,
-                            b + e64 * b_step, b_scale + e64 * bs_step, b_side + e64 * b_step, b_eb + e64 * beb_step,
-                            b_flags + e64 * bf_step, ldb, ld_beb, cols, cols < N, 0, K, BM, BN, BK, A_BLC, A_SHIFT,
-                            B_BLC, B_SHIFT, INTERPRETED)
-            _store_scaled(out_ptr, ld_out, rows, cols, (rows[:, None] < end) & (cols[None, :] < N), acc, ends_ptr,
-                          ends_ptr, e, False, OUT_BF16)
+            acc = _tile(a, a_scale, a_side, a_eb, a_flags, lda, ld_aeb, rows, rows < end,
+                        b + e64 * b_step, b_scale + e64 * bs_step, b_side + e64 * b_step, b_eb + e64 * beb_step,
+                        b_flags + e64 * bf_step, ldb, ld_beb, cols, cols < N, 0, K, e, BM, BN, BK, FP8, SCALED,
+                        A_BLC, A_SHIFT, B_BLC, B_SHIFT, INTERPRETED)
+            _store(out_ptr, ld_out, rows, cols, (rows[:, None] < end) & (cols[None, :] < N), acc, OUT_BF16)
             tile += tl.num_programs(0)
         seen += count
         start = end
 
 
 @triton.jit
-def _grouped_contraction_fp8_kernel(a, a_scale, a_side, a_eb, a_flags, lda, ld_aeb, as_step,
-                                    b, b_scale, b_side, b_eb, b_flags, ldb, ld_beb, bs_step,
-                                    out_ptr, ends_ptr, M, N,
-                                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, A_BLC: tl.constexpr,
-                                    A_SHIFT: tl.constexpr, B_BLC: tl.constexpr, B_SHIFT: tl.constexpr,
-                                    OUT_BF16: tl.constexpr, INTERPRETED: tl.constexpr):
-    """_grouped_contraction_kernel on FP8 operands whose row scales are per expert (e * as_step, e * bs_step)."""
+def _grouped_contraction_kernel(a, a_scale, a_side, a_eb, a_flags, lda, ld_aeb, as_step,
+                                b, b_scale, b_side, b_eb, b_flags, ldb, ld_beb, bs_step,
+                                out_ptr, ends_ptr, M, N,
+                                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr,
+                                SCALED: tl.constexpr, A_BLC: tl.constexpr, A_SHIFT: tl.constexpr,
+                                B_BLC: tl.constexpr, B_SHIFT: tl.constexpr, OUT_BF16: tl.constexpr,
+                                INTERPRETED: tl.constexpr):
+    """Program (tile, e): one [BM, BN] tile of out[e] = a[:, seg e] @ b[:, seg e]^T; zero for an empty segment.
+    FP8: row scales per expert (e * as_step, e * bs_step)."""
     e = tl.program_id(1)
     n_tiles = tl.cdiv(N, BN)
     rows = (tl.program_id(0) // n_tiles) * BM + tl.arange(0, BM)
     cols = (tl.program_id(0) % n_tiles) * BN + tl.arange(0, BN)
+    # segments start and end at multiples of 16 rows (the callers' layouts): the hint lets the loads be vectorised
     start = tl.multiple_of(tl.load(ends_ptr + e - 1, mask=e > 0, other=0), 16)
     end = tl.multiple_of(tl.load(ends_ptr + e), 16)
     e64 = tl.zeros([], tl.int64) + e
-    acc = _fp8_tile(a, a_scale + e64 * as_step, a_side, a_eb, a_flags, lda, ld_aeb, rows, rows < M,
-                    b, b_scale + e64 * bs_step, b_side, b_eb, b_flags, ldb, ld_beb, cols, cols < N, start, end,
-                    BM, BN, BK, A_BLC, A_SHIFT, B_BLC, B_SHIFT, INTERPRETED)
-    _store_scaled(out_ptr + e64 * M * N, N, rows, cols, (rows[:, None] < M) & (cols[None, :] < N), acc, ends_ptr,
-                  ends_ptr, e, False, OUT_BF16)
+    acc = _tile(a, a_scale + e64 * as_step, a_side, a_eb, a_flags, lda, ld_aeb, rows, rows < M,
+                b, b_scale + e64 * bs_step, b_side, b_eb, b_flags, ldb, ld_beb, cols, cols < N, start, end, e,
+                BM, BN, BK, FP8, SCALED, A_BLC, A_SHIFT, B_BLC, B_SHIFT, INTERPRETED)
+    _store(out_ptr + e64 * M * N, N, rows, cols, (rows[:, None] < M) & (cols[None, :] < N), acc, OUT_BF16)
 
 
 @functools.lru_cache(maxsize=None)
@@ -239,14 +208,32 @@ def grouped_rows(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, n: int, k
     scaled = a_scale is not None
     if not _kernel_device(a):
         return _rows_torch(a, b, ends, n, k, b_step, a_scale, b_scale, out)
-    bm, bn, bk, warps, stages = TILE
-    programs = _programs(a.device.index or 0) if a.is_cuda else 4
-    one = a_scale if scaled else ends
-    launcher(_grouped_rows_kernel)[(programs,)](
-        a, a.stride(0), b, b.stride(0), b_step, out, out.stride(0), ends, one, b_scale if scaled else one,
-        ends.shape[0], n, k, BM=bm, BN=bn, BK=bk, SCALED=scaled, OUT_BF16=out_dtype == torch.bfloat16,
-        INTERPRETED=not a.is_cuda, num_warps=warps, num_stages=stages)
+    unused = torch.empty(1, dtype=torch.int8, device=a.device)
+    sa, sb = (a_scale, b_scale) if scaled else (unused, unused)
+    _launch_rows(out, [a, sa, unused, unused, unused, a.stride(0), 0], [b, sb, unused, unused, unused, b.stride(0), 0],
+                 [b_step, 0, 0, 0], ends, n, k, False, scaled, (1, 0, 1, 0))
     return out
+
+
+def _launch_rows(out, a_args, b_args, steps, ends, n, k, fp8, scaled, blocks):
+    bm, bn, bk, warps, stages = TILE
+    dev = out.device
+    a_blc, a_shift, b_blc, b_shift = blocks
+    launcher(_grouped_rows_kernel)[(_programs(dev.index or 0) if dev.type == "cuda" else 4,)](
+        *a_args, *b_args, *steps, out, out.stride(0), ends, ends.shape[0], n, k, BM=bm, BN=bn, BK=bk, FP8=fp8,
+        SCALED=scaled, A_BLC=a_blc, A_SHIFT=a_shift, B_BLC=b_blc, B_SHIFT=b_shift,
+        OUT_BF16=out.dtype == torch.bfloat16, INTERPRETED=dev.type != "cuda", num_warps=warps, num_stages=stages)
+
+
+def _launch_contraction(out, a_args, b_args, scale_steps, ends, fp8, scaled, blocks):
+    bm, bn, bk, warps, stages = TILE
+    num, m, n = out.shape
+    a_blc, a_shift, b_blc, b_shift = blocks
+    launcher(_grouped_contraction_kernel)[(triton.cdiv(m, bm) * triton.cdiv(n, bn), num)](
+        *a_args, scale_steps[0], *b_args, scale_steps[1], out, ends, m, n, BM=bm, BN=bn, BK=bk, FP8=fp8,
+        SCALED=scaled, A_BLC=a_blc, A_SHIFT=a_shift, B_BLC=b_blc, B_SHIFT=b_shift,
+        OUT_BF16=out.dtype == torch.bfloat16, INTERPRETED=out.device.type != "cuda", num_warps=warps,
+        num_stages=stages)
 
 
 def grouped_contraction(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, m: int, n: int,
@@ -264,12 +251,10 @@ def grouped_contraction(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, m:
     scaled = a_scale is not None
     if not _kernel_device(a):
         return _contraction_torch(a, b, ends, m, n, a_scale, b_scale, out)
-    bm, bn, bk, warps, stages = TILE
-    one = a_scale if scaled else ends
-    launcher(_grouped_contraction_kernel)[(triton.cdiv(m, bm) * triton.cdiv(n, bn), num)](
-        a, a.stride(0), b, b.stride(0), out, ends, one, b_scale if scaled else one, m, n, BM=bm, BN=bn, BK=bk,
-        SCALED=scaled, OUT_BF16=out_dtype == torch.bfloat16, INTERPRETED=not a.is_cuda, num_warps=warps,
-        num_stages=stages)
+    unused = torch.empty(1, dtype=torch.int8, device=a.device)
+    sa, sb = (a_scale, b_scale) if scaled else (unused, unused)
+    _launch_contraction(out, [a, sa, unused, unused, unused, a.stride(0), 0],
+                        [b, sb, unused, unused, unused, b.stride(0), 0], (0, 0), ends, False, scaled, (1, 0, 1, 0))
     return out
 
 
@@ -318,13 +303,7 @@ def grouped_rows_fp8(a, b, ends: torch.Tensor, n: int, k: int, steps: tuple[int,
     _check(ends, None, None)
     _need_kernels(a.data)
     out = torch.empty((a.data.shape[0], n), dtype=out_dtype, device=a.data.device)
-    bm, bn, bk, warps, stages = TILE
-    programs = _programs(a.data.device.index or 0) if a.data.is_cuda else 4
-    a_blc, a_shift, b_blc, b_shift = blocks
-    launcher(_grouped_rows_fp8_kernel)[(programs,)](
-        *_fp8_args(a), *_fp8_args(b), *steps, out, out.stride(0), ends, ends.shape[0], n, k, BM=bm, BN=bn, BK=bk,
-        A_BLC=a_blc, A_SHIFT=a_shift, B_BLC=b_blc, B_SHIFT=b_shift, OUT_BF16=out_dtype == torch.bfloat16,
-        INTERPRETED=not a.data.is_cuda, num_warps=warps, num_stages=stages)
+    _launch_rows(out, _fp8_args(a), _fp8_args(b), steps, ends, n, k, True, False, blocks)
     return out
 
 
@@ -334,13 +313,6 @@ def grouped_contraction_fp8(a, b, ends: torch.Tensor, m: int, n: int, scale_step
     (a's, b's) elements further (the transposed orientations' [E, rows] scales)."""
     _check(ends, None, None)
     _need_kernels(a.data)
-    num = ends.shape[0]
-    out = torch.empty((num, m, n), dtype=out_dtype, device=a.data.device)
-    bm, bn, bk, warps, stages = TILE
-    a_blc, a_shift, b_blc, b_shift = blocks
-    a_args, b_args = _fp8_args(a), _fp8_args(b)
-    launcher(_grouped_contraction_fp8_kernel)[(triton.cdiv(m, bm) * triton.cdiv(n, bn), num)](
-        *a_args, scale_steps[0], *b_args, scale_steps[1], out, ends, m, n, BM=bm, BN=bn, BK=bk, A_BLC=a_blc,
-        A_SHIFT=a_shift, B_BLC=b_blc, B_SHIFT=b_shift, OUT_BF16=out_dtype == torch.bfloat16,
-        INTERPRETED=not a.data.is_cuda, num_warps=warps, num_stages=stages)
+    out = torch.empty((ends.shape[0], m, n), dtype=out_dtype, device=a.data.device)
+    _launch_contraction(out, _fp8_args(a), _fp8_args(b), scale_steps, ends, True, False, blocks)
     return out
