@@ -35,9 +35,10 @@ TILE = (128, 128, 64, 8, 3)
 
 
 @triton.jit
-def _bf16_tile(a, lda, rows, row_ok, b, ldb, cols, col_ok, k_lo, k_hi, BM: tl.constexpr, BN: tl.constexpr,
-               BK: tl.constexpr, INTERPRETED: tl.constexpr):
-    """sum over k in [k_lo, k_hi) of a[rows, k] b[cols, k] (BF16 operands, FP32 accumulation)."""
+def _dot_tile(a, lda, rows, row_ok, b, ldb, cols, col_ok, k_lo, k_hi, BM: tl.constexpr, BN: tl.constexpr,
+              BK: tl.constexpr, FP8: tl.constexpr, INTERPRETED: tl.constexpr):
+    """sum over k in [k_lo, k_hi) of a[rows, k] b[cols, k] as stored (BF16 or E4M3 operands), FP32 accumulation --
+    for FP8 promoted to FP32 after every MMA step (K 32), not Hopper's default of never."""
     ks = tl.arange(0, BK)
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BK):
@@ -48,6 +49,8 @@ def _bf16_tile(a, lda, rows, row_ok, b, ldb, cols, col_ok, k_lo, k_hi, BM: tl.co
                     other=0.0)
         if INTERPRETED:  # the interpreter multiplies BF16 operands of tl.dot as their raw bits: FP32 there
             acc = tl.dot(x.to(tl.float32), tl.trans(y.to(tl.float32)), acc, input_precision="ieee")
+        elif FP8:
+            acc = tl.dot(x, tl.trans(y), acc, max_num_imprecise_acc=32)
         else:
             acc = tl.dot(x, tl.trans(y), acc)
     return acc
@@ -66,24 +69,14 @@ def _fp8_tile(a, a_scale, a_side, a_eb, a_flags, lda, ld_aeb, rows, row_ok,
               B_BLC: tl.constexpr, B_SHIFT: tl.constexpr, INTERPRETED: tl.constexpr):
     """sum over k in [k_lo, k_hi) of a[rows, k] b[cols, k] in real units (row scales applied), exact where a flagged
     row is touched.  The pointers are the group's (offsets applied by the caller)."""
-    ks = tl.arange(0, BK)
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BK):
-        k_ok = k0 + ks < k_hi
-        x = tl.load(a + rows[:, None].to(tl.int64) * lda + (k0 + ks)[None, :], mask=row_ok[:, None] & k_ok[None, :],
-                    other=0.0)
-        y = tl.load(b + cols[:, None].to(tl.int64) * ldb + (k0 + ks)[None, :], mask=col_ok[:, None] & k_ok[None, :],
-                    other=0.0)
-        if INTERPRETED:
-            acc = tl.dot(x.to(tl.float32), tl.trans(y.to(tl.float32)), acc, input_precision="ieee")
-        else:  # promoted to FP32 after every MMA step (K 32), not Hopper's default of never
-            acc = tl.dot(x, tl.trans(y), acc, max_num_imprecise_acc=32)
+    acc = _dot_tile(a, lda, rows, row_ok, b, ldb, cols, col_ok, k_lo, k_hi, BM, BN, BK, True, INTERPRETED)
     sa = tl.load(a_scale + rows, mask=row_ok, other=0.0)
     sb = tl.load(b_scale + cols, mask=col_ok, other=0.0)
     acc = acc * sa[:, None] * sb[None, :]
     flagged = (tl.max(tl.load(a_flags + rows, mask=row_ok, other=0).to(tl.int32), axis=0)
                + tl.max(tl.load(b_flags + cols, mask=col_ok, other=0).to(tl.int32), axis=0))
     if flagged > 0:  # rare: the tile again from the exact values, on the BF16 tensor cores (exact products)
+        ks = tl.arange(0, BK)
         acc = tl.zeros([BM, BN], dtype=tl.float32)
         for k0 in range(k_lo, k_hi, BK):
             k_ok = k0 + ks < k_hi
@@ -109,7 +102,7 @@ def _tile(a, a_scale, a_side, a_eb, a_flags, lda, ld_aeb, rows, row_ok,
                         b_flags, ldb, ld_beb, cols, col_ok, k_lo, k_hi, BM, BN, BK, A_BLC, A_SHIFT, B_BLC, B_SHIFT,
                         INTERPRETED)
     else:
-        acc = _bf16_tile(a, lda, rows, row_ok, b, ldb, cols, col_ok, k_lo, k_hi, BM, BN, BK, INTERPRETED)
+        acc = _dot_tile(a, lda, rows, row_ok, b, ldb, cols, col_ok, k_lo, k_hi, BM, BN, BK, False, INTERPRETED)
         if SCALED:
             acc = acc * (tl.load(a_scale + e) * tl.load(b_scale + e))
     return acc
