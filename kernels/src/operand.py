@@ -21,6 +21,13 @@ Operand forms (bit-exact with the reference values, `hf_fp4.numerics.quantize` t
   to the `side` buffer with its exponent in `eb` (-128 elsewhere), and its row is flagged.  The GEMM
   front end (gemm.py) recomputes every output tile that touches a flagged row exactly -- decided on
   the device, with no host synchronisation.
+
+Grouped operands (`groups=RowGroups(...)`, the grouped expert GEMMs): t's rows in groups -- experts' segments,
+or experts' weight rows -- each quantized as a tensor of its own by the same two passes: the stats pass
+(`_group_stats_kernel`) reduces per group (the tensor amax) or per row and group (the transposed orientation's
+FP8 reference exponents, whose contraction runs across the groups), and the operand pass reads each block's
+group for its tensor amax, reference exponent, SR seed and SR coordinates (`_group_of`, `_tensor_amax`,
+`_uniforms`).
 """
 from __future__ import annotations
 
