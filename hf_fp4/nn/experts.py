@@ -34,7 +34,7 @@ from .grouped import grouped_projection, grouped_reason, segment_align
 from .grouping import group_layout
 from .linear import FP4Linear, _crc, _notify, _shared_tensor, hadamard_signs, seed_bases, step_value
 from ..numerics.formats import ELEMENT_BITS
-from .operands import BACKENDS, LinearPlan, plans_by_backend
+from .operands import BACKENDS, LinearPlan, plan_switch, plans_by_backend
 from .packing import packed_shapes, stored_scales
 from ..numerics.qtensor import QuantizedTensor
 from ..numerics.philox import STEP_MIX
@@ -53,7 +53,7 @@ class ExpertsFP4:
         self.packed_rows: dict[str, int] = {}  # while a packed export loads: each projection's output rows
         # the fast path's grouped GEMMs (hf_fp4.nn.grouped) where they are bit-identical to the loop; False: the loop
         self.grouped = True
-        self.frozen, self._fp8_gemms = False, True
+        self._frozen, self._fp8_gemms = False, True
         self._build_plans()
         self.projections = projections
         self._bases = torch.tensor([[seed_bases(seed, f"{name}.{p}.{e}") for e in range(num_experts)]
@@ -66,23 +66,16 @@ class ExpertsFP4:
         # on the CPU even under a meta-device context (from_pretrained); moved to the input's device at first use
         self.step = torch.zeros((), dtype=torch.int64, device="cpu")
 
+    frozen = plan_switch("_frozen", "A packed export's 3D weights hold each expert's stored fprop operand.")
+    fp8_gemms = plan_switch("_fp8_gemms", "As FP4Linear.fp8_gemms: the MX family's GEMMs on the FP8 (True) or BF16 "
+                            "tensor cores.")
+
     def freeze(self, frozen: bool) -> None:
         """frozen: a packed export's 3D weights hold each expert's stored fprop operand (inference)."""
         self.frozen = frozen
-        self._build_plans()
-
-    @property
-    def fp8_gemms(self) -> bool:
-        """As FP4Linear.fp8_gemms: the MX family's GEMMs on the FP8 (True) or BF16 tensor cores."""
-        return self._fp8_gemms
-
-    @fp8_gemms.setter
-    def fp8_gemms(self, value: bool) -> None:
-        self._fp8_gemms = bool(value)
-        self._build_plans()
 
     def _build_plans(self) -> None:
-        self.plans = plans_by_backend(self.recipe, self.frozen, self._fp8_gemms)
+        self.plans = plans_by_backend(self.recipe, self._frozen, self._fp8_gemms)
         self.grouped_plan = self.plans["triton"]  # the loop's operand forms (FP8 or BF16)
 
     def grouped_reason(self, module: torch.nn.Module, x: torch.Tensor) -> str | None:

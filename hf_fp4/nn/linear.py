@@ -30,7 +30,7 @@ from ..numerics.hadamard import apply_hadamard, seeded_signs
 from . import lora_svd
 from .backends import quantize
 from .autograd import ROLES, FP4LinearFunction, output_dtype, x_seeds
-from .operands import BACKENDS, LinearPlan, operand_values, plans_by_backend
+from .operands import BACKENDS, LinearPlan, operand_values, plan_switch, plans_by_backend
 from ..numerics.philox import STEP_MIX, philox_signs, step_seed
 from .recipe import GEMMS, HadamardKind, LinearRecipe
 from ..numerics.scales import ScaleRule
@@ -140,26 +140,11 @@ class FP4Linear(nn.Linear):
         self._recipe = recipe
         self._build_plans()
 
-    @property
-    def frozen_weight(self) -> bool:
-        """True after loading a packed FP4 export: `weight` holds Q(W R) as stored, for inference."""
-        return self._frozen_weight
-
-    @frozen_weight.setter
-    def frozen_weight(self, value: bool) -> None:
-        self._frozen_weight = bool(value)
-        self._build_plans()
-
-    @property
-    def fp8_gemms(self) -> bool:
-        """True (default): the MX family's GEMMs run on the FP8 tensor cores; False: on the BF16 ones, with FP32
-        accumulation (slower; the FP8 MMA accumulates with fewer bits).  Operands are the same either way."""
-        return self._fp8_gemms
-
-    @fp8_gemms.setter
-    def fp8_gemms(self, value: bool) -> None:
-        self._fp8_gemms = bool(value)
-        self._build_plans()
+    frozen_weight = plan_switch("_frozen_weight", "True after loading a packed FP4 export: `weight` holds Q(W R) as "
+                                "stored, for inference.")
+    fp8_gemms = plan_switch("_fp8_gemms", "True (default): the MX family's GEMMs run on the FP8 tensor cores; False: "
+                            "on the BF16 ones, with FP32 accumulation (slower; the FP8 MMA accumulates with fewer "
+                            "bits).  Operands are the same either way.")
 
     def _build_plans(self) -> None:
         self._plans = plans_by_backend(self._recipe, self._frozen_weight, self._fp8_gemms)

@@ -305,6 +305,19 @@ class LinearPlan:
                    keys=keys)
 
 
+def plan_switch(attr: str, doc: str) -> property:
+    """A boolean switch of a layer's plans (FP4Linear, ExpertsFP4): stored in `attr`; setting it rebuilds them
+    (the owner's `_build_plans`), so torch.compile only ever reads built plans."""
+    def get(self) -> bool:
+        return getattr(self, attr)
+
+    def set_(self, value: bool) -> None:
+        setattr(self, attr, bool(value))
+        self._build_plans()
+
+    return property(get, set_, doc=doc)
+
+
 def plans_by_backend(recipe: LinearRecipe, frozen_weight: bool, fp8_gemms: bool) -> dict[str, LinearPlan]:
     """The LinearPlan of each backend ("reference", "triton") of one layer's recipe and switches (FP4Linear and
     MoE experts rebuild them whenever the recipe, the frozen flag or fp8_gemms changes)."""
