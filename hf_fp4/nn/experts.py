@@ -76,7 +76,6 @@ class ExpertsFP4:
 
     def _build_plans(self) -> None:
         self.plans = plans_by_backend(self.recipe, self._frozen, self._fp8_gemms)
-        self.grouped_plan = self.plans["triton"]  # the loop's operand forms (FP8 or BF16)
 
     def grouped_reason(self, module: torch.nn.Module, x: torch.Tensor) -> str | None:
         """Why this step runs the per-expert loop instead of the grouped GEMMs (None: it does not)."""
@@ -90,10 +89,9 @@ class ExpertsFP4:
         """grouped_reason's part that depends on the layer alone (and the activations' dtype), not on a call."""
         if not self.grouped:
             return "ExpertsFP4.grouped is False"
-        for proj in self.projections:
-            w = getattr(module, proj)
-            n, k = (w.shape[2], w.shape[1]) if module.is_transposed else (w.shape[1], w.shape[2])
-            if reason := grouped_reason(self.grouped_plan, n, k, module.has_bias, dtype):
+        for proj in self.projections:  # the grouped path runs the loop's (fast) plan
+            _, n, k = expert_dims(module, proj)
+            if reason := grouped_reason(self.plans["triton"], n, k, module.has_bias, dtype):
                 return f"{proj}: {reason}"
         return None
 
@@ -202,9 +200,9 @@ def _grouped_low_rank(y: torch.Tensor, layout, xg: torch.Tensor, factors) -> tor
     FP32 accumulation); rows outside the segments add nothing."""
     if factors is None:
         return y
-    ends = layout.offsets[1:].to(torch.int32)
     a, b = (f.to(xg.dtype) for f in factors)
-    low = torch._grouped_mm(torch._grouped_mm(xg, a.transpose(1, 2), offs=ends), b.transpose(1, 2), offs=ends)
+    low = torch._grouped_mm(torch._grouped_mm(xg, a.transpose(1, 2), offs=layout.ends), b.transpose(1, 2),
+                            offs=layout.ends)
     return y + torch.where(layout.valid[:, None], low, 0.0)
 
 
@@ -216,7 +214,7 @@ def _grouped_experts_forward(self, state: ExpertsFP4, hidden_states, top_k_index
     w_up, w_down = getattr(self, up_name), self.down_proj
     if self.is_transposed:
         w_up, w_down = w_up.transpose(1, 2), w_down.transpose(1, 2)
-    plan = state.grouped_plan
+    plan = state.plans["triton"]  # the loop's operand forms (FP8 or BF16)
     p_up, p_down = state.projections.index(up_name), state.projections.index("down_proj")
     layout = group_layout(top_k_index, w_down.shape[0], segment_align(plan))
     xg = layout.gather(hidden_states.to(output_dtype(hidden_states)))
@@ -251,6 +249,12 @@ def experts_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
     return {name: m for name, m in model.named_modules() if is_experts(m)}
 
 
+def expert_dims(module: torch.nn.Module, proj: str) -> tuple[int, int, int]:
+    """(experts, out, in) of a projection's 3D weight, whichever of [E, out, in] / [E, in, out] it is stored as."""
+    e, a, b = getattr(module, proj).shape
+    return (e, b, a) if module.is_transposed else (e, a, b)
+
+
 def check_experts(name: str, module: torch.nn.Module, recipe: LinearRecipe) -> None:
     """Reject what the expert GEMMs cannot do, at conversion time."""
     if recipe.activation_scheme != "plain":
@@ -259,7 +263,7 @@ def check_experts(name: str, module: torch.nn.Module, recipe: LinearRecipe) -> N
         w = getattr(module, proj, None)
         if not isinstance(w, torch.nn.Parameter):
             continue
-        n, k = (w.shape[2], w.shape[1]) if module.is_transposed else (w.shape[1], w.shape[2])
+        _, n, k = expert_dims(module, proj)
         if recipe.lora_svd_rank > min(n, k):
             raise ValueError(f"{name}.{proj}: lora_svd_rank={recipe.lora_svd_rank} exceeds min(out, in) = "
                              f"{min(n, k)} of each expert's {n}x{k} weight")
@@ -321,7 +325,7 @@ def init_expert_factors(module: torch.nn.Module, rank: int) -> None:
         return
     for proj in module.hf_fp4.projections:
         w = getattr(module, proj)
-        e, n, k = (w.shape[0], w.shape[2], w.shape[1]) if module.is_transposed else w.shape
+        e, n, k = expert_dims(module, proj)
         a_name, b_name = lora_svd.expert_factor_names(proj)
         module.register_parameter(a_name, torch.nn.Parameter(torch.zeros(e, rank, k, device=w.device, dtype=w.dtype)))
         module.register_parameter(b_name, torch.nn.Parameter(torch.zeros(e, n, rank, device=w.device, dtype=w.dtype)))
@@ -346,10 +350,9 @@ def dequantized_experts_weight(module: torch.nn.Module, proj: str) -> torch.Tens
 # along a leading expert dimension: `<proj>_packed` (codes), `<proj>_scale` (block scales as stored),
 # `<proj>_tensor_scale` ([E], two-level formats).  Loading makes them a frozen 3D weight again.
 def _expert_shapes(module: torch.nn.Module, proj: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    w = getattr(module, proj)
-    n, k = (w.shape[2], w.shape[1]) if module.is_transposed else (w.shape[1], w.shape[2])
+    e, n, k = expert_dims(module, proj)
     shell = types.SimpleNamespace(recipe=module.hf_fp4.recipe, out_features=n, in_features=k)
-    return {f"{proj}{key.removeprefix('weight')}": ((w.shape[0], *shape), dtype)
+    return {f"{proj}{key.removeprefix('weight')}": ((e, *shape), dtype)
             for key, (shape, dtype) in packed_shapes(shell).items()}
 
 
@@ -372,7 +375,7 @@ def expect_packed_experts(module: torch.nn.Module) -> None:
         w = getattr(module, proj)
         device = w.device
         shapes = _expert_shapes(module, proj)
-        module.hf_fp4.packed_rows[proj] = w.shape[2] if module.is_transposed else w.shape[1]
+        module.hf_fp4.packed_rows[proj] = expert_dims(module, proj)[1]
         del module._parameters[proj]
         for key, (shape, dtype) in shapes.items():
             module.register_buffer(key, torch.empty(shape, dtype=dtype, device=device))

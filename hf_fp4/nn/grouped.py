@@ -79,8 +79,7 @@ def _padded(rows: torch.Tensor, p: OperandPlan | None) -> torch.Tensor:
 
 def segment_groups(layout: GroupLayout, b_plan: OperandPlan | None) -> RowGroups:
     """The expert segments of a layout's rows as RowGroups (rows past the last segment: zero rows, group 0)."""
-    ids = layout.tile_expert.clamp(min=0).to(torch.int32).repeat_interleave(layout.align)
-    return RowGroups(ids, layout.offsets[:-1].to(torch.int32), _padded(layout.counts, b_plan))
+    return RowGroups(layout.row_expert, layout.starts, _padded(layout.counts, b_plan))
 
 
 def weight_groups(e: int, n: int, device, b_plan: OperandPlan | None) -> RowGroups:
@@ -260,10 +259,9 @@ def _pair(t, plan: LinearPlan, tensor: str, seeds, signs, both: bool, groups: Ro
 def grouped_projection(layout: GroupLayout, xg: torch.Tensor, weight: torch.Tensor, seeds: torch.Tensor, signs,
                        plan: LinearPlan, training: bool) -> torch.Tensor:
     """xg [R, K] (the layout's rows) through every expert's weight [E, N, K] -> [R, N] (BF16); seeds [E, 6]."""
-    ends = layout.offsets[1:].to(torch.int32)
     need = (training and xg.requires_grad, training and weight.requires_grad)
     e, n, _ = weight.shape
     groups = (segment_groups(layout, plan.x[1]) if _per_group(plan.x) else None,
               weight_groups(e, n, weight.device, plan.w[1]) if _per_group(plan.w) else None,
               segment_groups(layout, plan.dy[1]) if _per_group(plan.dy) else None)
-    return GroupedFP4Function.apply(xg, weight, ends, layout.valid, seeds, signs, groups, plan, need)
+    return GroupedFP4Function.apply(xg, weight, layout.ends, layout.valid, seeds, signs, groups, plan, need)

@@ -7,6 +7,8 @@ by expert, each expert's pairs padded with zero rows to a multiple of `align` ro
     offsets [E+1]  where each expert's segment starts (multiples of align); offsets[E] = rows in use
     counts [E]  the pairs routed to each expert
     tile_expert [R // align]  the expert whose segment holds each align-row tile, -1 past offsets[E]
+    starts, ends [E]  offsets[:-1] and offsets[1:] as int32 (the grouped kernels' segment bounds)
+    row_expert [R]  the expert of each row as int32, 0 past offsets[E] (zero rows there)
 
 Segments start at multiples of `align`, so an operand's blocks along the rows (the wgrad operands, blocks
 along the tokens) never straddle two experts, and a GEMM tile of `align` rows belongs to one expert.
@@ -31,6 +33,9 @@ class GroupLayout:
     tile_expert: torch.Tensor
     align: int
     top_k: int
+    starts: torch.Tensor
+    ends: torch.Tensor
+    row_expert: torch.Tensor
 
     @property
     def num_experts(self) -> int:
@@ -89,4 +94,6 @@ def group_layout(top_k_index: torch.Tensor, num_experts: int, align: int) -> Gro
     tile_start = torch.arange(0, n_rows, align, device=dev)
     tile_expert = torch.searchsorted(offsets[1:], tile_start, right=True)
     tile_expert = torch.where(tile_expert < num_experts, tile_expert, -1)
-    return GroupLayout(rows, offsets, counts, tile_expert, align, k)
+    bounds = offsets.to(torch.int32)
+    row_expert = tile_expert.clamp(min=0).to(torch.int32).repeat_interleave(align)
+    return GroupLayout(rows, offsets, counts, tile_expert, align, k, bounds[:-1], bounds[1:], row_expert)

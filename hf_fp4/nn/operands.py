@@ -94,7 +94,7 @@ def _operands_impl(t, mu, seeds, signs_a, signs_b, key, group_ids=None, group_st
     fast = tuple(p if p is not None and p.form in KERNEL_FORMS else None for p in plans)
     groups = _groups(group_ids, group_starts, group_kp)
     if groups is not None and any(p is not None and f is None for p, f in zip(plans, fast)):
-        raise ValueError("grouped operands are made by the kernels only (BF16 forms)")
+        raise ValueError("grouped operands are made by the kernels only (BF16 / FP8 forms)")
     out: list = [None, None]
     if any(fast):
         from ..kernels.operand import triton_operands

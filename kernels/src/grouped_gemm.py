@@ -201,11 +201,17 @@ def grouped_rows(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, n: int, k
     scaled = a_scale is not None
     if not _kernel_device(a):
         return _rows_torch(a, b, ends, n, k, b_step, a_scale, b_scale, out)
-    unused = torch.empty(1, dtype=torch.int8, device=a.device)
-    sa, sb = (a_scale, b_scale) if scaled else (unused, unused)
-    _launch_rows(out, [a, sa, unused, unused, unused, a.stride(0), 0], [b, sb, unused, unused, unused, b.stride(0), 0],
-                 [b_step, 0, 0, 0], ends, n, k, False, scaled, (1, 0, 1, 0))
+    _launch_rows(out, *_bf16_args(a, b, a_scale, b_scale), [b_step, 0, 0, 0], ends, n, k, False, scaled,
+                 (1, 0, 1, 0))
     return out
+
+
+def _bf16_args(a: torch.Tensor, b: torch.Tensor, a_scale, b_scale) -> tuple[list, list]:
+    """Two BF16 operands' kernel arguments in the FP8 operands' slots (_fp8_args): data, the per-group tensor
+    scales (or a 1-element stand-in), stand-ins for what the FP8 form alone has, the row stride."""
+    unused = torch.empty(1, dtype=torch.int8, device=a.device)
+    sa, sb = (a_scale, b_scale) if a_scale is not None else (unused, unused)
+    return ([a, sa, unused, unused, unused, a.stride(0), 0], [b, sb, unused, unused, unused, b.stride(0), 0])
 
 
 def _launch_rows(out, a_args, b_args, steps, ends, n, k, fp8, scaled, blocks):
@@ -244,10 +250,7 @@ def grouped_contraction(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, m:
     scaled = a_scale is not None
     if not _kernel_device(a):
         return _contraction_torch(a, b, ends, m, n, a_scale, b_scale, out)
-    unused = torch.empty(1, dtype=torch.int8, device=a.device)
-    sa, sb = (a_scale, b_scale) if scaled else (unused, unused)
-    _launch_contraction(out, [a, sa, unused, unused, unused, a.stride(0), 0],
-                        [b, sb, unused, unused, unused, b.stride(0), 0], (0, 0), ends, False, scaled, (1, 0, 1, 0))
+    _launch_contraction(out, *_bf16_args(a, b, a_scale, b_scale), (0, 0), ends, False, scaled, (1, 0, 1, 0))
     return out
 
 

@@ -442,8 +442,10 @@ def _emit_across(xs, row0, cols, first_tile, out_ptr, n_rows, n_cols, stat_ptr, 
         amax = tl.maximum(amax, a, propagate_nan=tl.PropagateNan.ALL)
     e_ref = amax  # (unused but by the FP8 form)
     first_rows = row0 + tl.arange(0, G) * N  # each block's first row of t
+    if GROUPED:
+        g = _group_of(grp, first_rows, 1, G)  # each block's group
     if FP8 and GROUPED:  # per (B's row, group of the block): statistics and row scales [E, n_rows]
-        at = _group_of(grp, first_rows, 1, G)[:, None] * n_rows + cols[None, :]  # [G, BC]
+        at = g[:, None] * n_rows + cols[None, :]  # [G, BC]
         e_ref = e8m0_exponent(tl.load(stat_ptr + at, mask=cols[None, :] < n_rows, other=0.0), SCALE == 1, QM, QE,
                               EMAX)
         tl.store(scale_ptr + at, pow2(e_ref - SHIFT), mask=cols[None, :] < n_rows)  # (every tile: the same)
@@ -455,7 +457,7 @@ def _emit_across(xs, row0, cols, first_tile, out_ptr, n_rows, n_cols, stat_ptr, 
     t_amax = 0.0
     if SCALE >= 2:
         if GROUPED:
-            t_amax = tl.load(stat_ptr + _group_of(grp, first_rows, 1, G))[:, None]
+            t_amax = tl.load(stat_ptr + g)[:, None]
         else:
             t_amax = tl.load(stat_ptr)
     encode, factor, lost, e, s_dec = _block_scales(amax, e_ref, t_amax, SCALE, QMAX, QM, QE, EMAX, FP8, SHIFT,
@@ -464,7 +466,6 @@ def _emit_across(xs, row0, cols, first_tile, out_ptr, n_rows, n_cols, stat_ptr, 
         tl.store(scale_ptr, s_dec)
     if SR:  # element (c, r) takes word r % 4 of Philox call c * KP / 4 + r // 4
         if GROUPED:  # each group its own operand: its seed, its rows from its first, its padded length
-            g = _group_of(grp, first_rows, 1, G)
             seed = tl.load(seed_ptr + 2 * g)[:, None]
             kp = (tl.load(grp[2] + g) // 4)[:, None]
             rows4 = (first_rows - tl.load(grp[1] + g)) // 4
