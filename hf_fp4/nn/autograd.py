@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .fp4_gather import GatheredFP4Weight
 from .operands import LinearPlan, Operand, gemm, operands
 from .recipe import GEMMS
 
@@ -60,7 +61,10 @@ class FP4LinearFunction(torch.autograd.Function):
         # it: with seeds that are the same constant for all of them (and shared sign vectors), torch.compile's
         # common-subexpression elimination quantizes x once for all of them.
         ox, oxt = tensor_operands(x, plan, x_seeds(plan, seeds), signs, mu, need[1], "x", observer)
-        ow, owt = tensor_operands(weight, plan, seeds[2:4], signs, None, need[0], "w", observer)
+        if isinstance(weight, GatheredFP4Weight):  # FP4 all-gather: W arrived as its operands' codes and scales
+            ow, owt = weight.operands(plan.w, need[0])
+        else:
+            ow, owt = tensor_operands(weight, plan, seeds[2:4], signs, None, need[0], "w", observer)
         # fprop: y = Q(x) Q(W)^T    [T,K] @ [K,N] -> [T,N]
         if plan.forms[0] == "hp" and mu is None:
             y = nn.functional.linear(x2, weight, bias)  # quantization off: exactly nn.Linear

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from ..numerics.hadamard import apply_hadamard, seeded_signs
-from . import lora_svd
+from . import fp4_gather, lora_svd
 from .backends import quantize
 from .autograd import ROLES, FP4LinearFunction, output_dtype, x_seeds
 from .operands import BACKENDS, LinearPlan, operand_values, plan_switch, plans_by_backend
@@ -137,6 +137,8 @@ class FP4Linear(nn.Linear):
 
     @recipe.setter
     def recipe(self, recipe: LinearRecipe) -> None:
+        if getattr(self, "fp4_gather", None) is not None:  # FP4 all-gather (hf_fp4.nn.fp4_gather): still possible?
+            self.fp4_gather = fp4_gather.regather(self.fp4_gather, recipe, self.layer_name)
         self._recipe = recipe
         self._build_plans()
 

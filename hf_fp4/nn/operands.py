@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -35,9 +36,9 @@ import torch
 from ..numerics.hadamard import apply_hadamard
 from ..numerics.operand_plan import (FORMS, KERNEL_FORMS, Operand, OperandPlan, RowGroups,  # noqa: F401
                                      empty_operand, fp8_capable, fp8_dmax, fp8_shift, round_up)
-from ..numerics.quantize import quantize
+from ..numerics.quantize import QuantizedTensor, expand_blocks, quantize
 from .recipe import GemmSpec, LinearRecipe
-from ..numerics.scales import ScaleRule
+from ..numerics.scales import ScaleRule, e8m0_exponent, pow2
 from ..numerics.spec import QuantSpec, Rounding
 
 BACKENDS = ("auto", "reference", "triton")
@@ -57,6 +58,55 @@ def reference_operand(t: torch.Tensor, plan: OperandPlan, seed, signs: torch.Ten
     elif x.untyped_storage().data_ptr() == t.untyped_storage().data_ptr():
         x = x.clone()  # a custom op's outputs may not alias its inputs
     return Operand(x, torch.ones(1, device=t.device), *(torch.empty(0, device=t.device) for _ in range(3)))
+
+
+def stored_operand(q: QuantizedTensor, plan: OperandPlan) -> Operand:
+    """The operand of `plan` (form fp32, bf16 or fp8) from a tensor already quantized by the plan's spec (rotated
+    first where the plan has a Hadamard): equal to what `operands` makes from the tensor itself (the reference
+    values; for the kernel forms the same fields the operand kernels write).  The FP4 all-gather's weights
+    (hf_fp4.nn.fp4_gather) arrive quantized."""
+    dev = q.codes.device
+    none = torch.empty(0, device=dev)
+    if plan.form == "fp32":
+        return Operand(q.dequantize(), torch.ones(1, device=dev), none, none, none)
+    rows, k = q.shape
+    r, c = plan.shape(rows, k)
+    if plan.form == "bf16":
+        values, decode = q.tensor_core_parts()
+        data = torch.zeros(r, c, dtype=torch.bfloat16, device=dev)
+        data[:rows, :k] = values
+        return Operand(data, decode.reshape(1), none, none, none)
+    return _stored_fp8(q, r, c)
+
+
+def _stored_fp8(q: QuantizedTensor, r: int, c: int) -> Operand:
+    """The FP8 form (kernels/src/operand.py) from E8M0 scales: each block folded into E4M3 against its rows'
+    reference exponent (the largest block exponent of the block's rows), blocks more than DMAX binades below it
+    lost to the side buffer, their rows flagged."""
+    spec = q.spec
+    (br, bc), shift, dmax = spec.block, fp8_shift(spec.grid), fp8_dmax(spec.grid)
+    v = q.code_values()  # [Mp, Kp] signed grid values
+    e = e8m0_exponent(q.scales)  # per block; 128: a NaN block
+    bad = e == 128
+    e_ref = torch.where(bad, torch.full_like(e, -127), e).amax(dim=1, keepdim=True)  # per block row
+    nonzero = v.reshape(v.shape[0] // br, br, -1, bc).ne(0).any(dim=3).any(dim=1)
+    lost = nonzero & (e_ref - e > dmax) & ~bad
+    factor = torch.where(lost, 0.0, pow2((e - e_ref + shift).clamp(min=-149)))
+    factor = torch.where(bad, math.nan, factor)
+    mp, kp = v.shape
+    data = torch.zeros(r, c, dtype=torch.float8_e4m3fn, device=v.device)
+    data[:mp, :kp] = (v * expand_blocks(factor, spec.block)).to(torch.float8_e4m3fn)
+    ref_rows = torch.full((r,), -127, dtype=torch.int32, device=v.device)
+    ref_rows[:mp] = e_ref.reshape(-1).repeat_interleave(br)
+    side = torch.zeros(r, c, dtype=torch.float8_e4m3fn, device=v.device)
+    eb = torch.full((r, c // bc), -128, dtype=torch.int8, device=v.device)
+    flags = torch.zeros(r + 1, dtype=torch.int8, device=v.device)
+    lost_el = expand_blocks(lost, spec.block)
+    side[:mp, :kp] = torch.where(lost_el, v * 2.0 ** shift, 0.0).to(torch.float8_e4m3fn)
+    eb[:mp, :kp // bc] = torch.where(lost, e, -128).repeat_interleave(br, dim=0).to(torch.int8)
+    flags[:mp] = lost_el.any(dim=1).to(torch.int8)
+    flags[r] = flags[:r].amax()
+    return Operand(data, pow2(ref_rows - shift), side, eb, flags)
 
 
 def operand_values(op: Operand, plan: OperandPlan, rows: int, k: int) -> torch.Tensor:

@@ -69,7 +69,7 @@ class _Scaled:
     bad_blocks: torch.Tensor | None
 
 
-def _scale(x: torch.Tensor, spec: QuantSpec) -> _Scaled:
+def _scale(x: torch.Tensor, spec: QuantSpec, tensor_amax: torch.Tensor | None = None) -> _Scaled:
     x = flush_subnormals(as_matrix(x))
     bad = check_finite(x, spec)
     if bad is not None:
@@ -77,7 +77,7 @@ def _scale(x: torch.Tensor, spec: QuantSpec) -> _Scaled:
         bad = block_amax(pad_to_blocks(bad.float(), spec.block), spec.block) > 0
     padded = pad_to_blocks(x, spec.block)
     amax = block_amax(padded, spec.block)
-    scales = block_scales(amax, spec.scale, spec.grid)
+    scales = block_scales(amax, spec.scale, spec.grid, tensor_amax)
     scaled = padded * expand_blocks(scales.encode, spec.block)
     return _Scaled(padded, scaled, scales, bad)
 
@@ -92,20 +92,30 @@ def _nan_scales(stored: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
 
 
 def quantize(x: torch.Tensor, spec: "QuantSpec | str", generator: torch.Generator | None = None,
-             noise: torch.Tensor | None = None, seed: int | None = None) -> QuantizedTensor:
+             noise: torch.Tensor | None = None, seed: int | None = None,
+             tensor_amax: torch.Tensor | None = None) -> QuantizedTensor:
     """Quantize `x` ([..., K], blocks along the last dim) with `spec` (a QuantSpec or preset name).
 
     Stochastic rounding draws uniform [0, 1) noise of the padded [Mp, Kp] shape: from `seed` with
     Philox (the Triton kernels' generator, hf_fp4.numerics.philox), else from `generator` (torch.rand), or
     takes it from `noise`; the same seed reproduces the same bits.  This is the reference; the fused kernel
     (hf_fp4.kernels.quant, reached through hf_fp4.quantize(..., backend="triton")) is bit-exact with it.
+    `tensor_amax` (two-level rules): the amax of the whole tensor when `x` is a part of it (a shard whose
+    scales must be those of the tensor: FP4 all-gather, hf_fp4.nn.fp4_gather); default: x's own.
     """
-    return _quantize_ref(x, as_spec(spec), generator, noise, seed)[0]
+    return _quantize_ref(x, as_spec(spec), generator, noise, seed, tensor_amax)[0]
 
 
-def _quantize_ref(x, spec: QuantSpec, generator, noise, seed) -> tuple[QuantizedTensor, _Scaled]:
+def tensor_amax(x: torch.Tensor) -> torch.Tensor:
+    """The amax the two-level rules scale by: of |x| after flushing subnormals, non-finite values as 0
+    (what quantize's block amaxes reduce to), FP32 scalar."""
+    a = flush_subnormals(as_matrix(x)).abs()
+    return torch.where(a < math.inf, a, torch.zeros_like(a)).amax() if a.numel() else a.new_zeros(())
+
+
+def _quantize_ref(x, spec: QuantSpec, generator, noise, seed, tensor_amax=None) -> tuple[QuantizedTensor, _Scaled]:
     """The reference quantizer; also returns its intermediate state (for the error statistics)."""
-    state = _scale(x, spec)
+    state = _scale(x, spec, tensor_amax)
     if spec.rounding is Rounding.STOCHASTIC and noise is None:
         if seed is not None:
             noise = philox_noise(seed, state.scaled.shape, state.scaled.device)
