@@ -31,35 +31,29 @@ def count_all_gather_bytes() -> dict:
     return counts
 
 
-def main(out_path: str, recipe: str, fp4_all_gather: str = "0", param_dtype: str = "fp32", steps: int = 4):
-    """fp4_all_gather "1": hf_fp4.enable_fp4_all_gather before fully_shard; param_dtype "bf16": FSDP2 mixed
-    precision (parameters gathered and used in BF16, as on the GPU)."""
-    distributed = "RANK" in os.environ
-    if distributed:
-        dist.init_process_group("gloo")
-    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+def build(recipe: str, fp4_all_gather: str, param_dtype: str, distributed: bool):
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     model = AutoModelForCausalLM.from_config(cfg, quantization_config=hf_fp4.FP4TrainConfig(recipe))
-    left = {}
-    if fp4_all_gather == "1":
-        left = hf_fp4.enable_fp4_all_gather(model)
-    gathered = count_all_gather_bytes()
+    left = hf_fp4.enable_fp4_all_gather(model) if fp4_all_gather == "1" else {}
     if distributed:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if param_dtype == "bf16" else None)
         for layer in model.model.layers:
             fully_shard(layer, mp_policy=mp)
         fully_shard(model, mp_policy=mp)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    g = torch.Generator().manual_seed(1)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2), left
+
+
+def steps(model, opt, first: int, last: int, rank: int, world: int, distributed: bool) -> list[float]:
     losses = []
-    for _ in range(steps):
-        ids = torch.randint(0, 256, (4, 33), generator=g)  # the global batch
+    for step in range(first, last):
+        g = torch.Generator().manual_seed(1000 + step)
+        ids = torch.randint(0, 256, (4, 33), generator=g)  # the global batch of this step
         local = ids.chunk(world)[rank]
         logits = model(input_ids=local[:, :-1]).logits
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 256), local[:, 1:].reshape(-1))
+        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, 256), local[:, 1:].reshape(-1))
         loss.backward()  # FSDP2 averages gradients over ranks (reduce-scatter)
         opt.step()
         opt.zero_grad()
@@ -68,16 +62,51 @@ def main(out_path: str, recipe: str, fp4_all_gather: str = "0", param_dtype: str
             dist.all_reduce(mean)
             mean /= world
         losses.append(mean.item())
+    return losses
+
+
+def main(out_path: str, recipe: str, fp4_all_gather: str = "0", param_dtype: str = "fp32", n_steps: str = "4"):
+    """Trains n_steps, writing a sharded checkpoint (torch.distributed.checkpoint: model, optimizer) half-way, then
+    resumes a fresh model from it and trains the second half again (distributed runs).  fp4_all_gather "1":
+    hf_fp4.enable_fp4_all_gather before fully_shard; param_dtype "bf16": FSDP2 mixed precision (parameters
+    gathered and used in BF16, as on the GPU)."""
+    distributed = "RANK" in os.environ
+    if distributed:
+        dist.init_process_group("gloo")
+    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    n_steps = int(n_steps)
+    model, opt, left = build(recipe, fp4_all_gather, param_dtype, distributed)
+    gathered = count_all_gather_bytes()
+    losses = steps(model, opt, 0, n_steps // 2, rank, world, distributed)
+    resumed = []
+    if distributed:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        ckpt = os.path.join(os.path.dirname(os.path.abspath(out_path)), f"ckpt-{os.path.basename(out_path)}")
+        model_sd, opt_sd = get_state_dict(model, opt)
+        dcp.save({"model": model_sd, "optim": opt_sd}, checkpoint_id=ckpt)
+        rng = hf_fp4.rng_state_dict(model)
+    losses += steps(model, opt, n_steps // 2, n_steps, rank, world, distributed)
+    per_call = list(gathered["per_call"])  # this run's all-gathers (not the resumed one's below)
     if distributed:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        fresh, fresh_opt, _ = build(recipe, fp4_all_gather, param_dtype, distributed)
+        model_sd, opt_sd = get_state_dict(fresh, fresh_opt)
+        loaded = {"model": model_sd, "optim": opt_sd}
+        dcp.load(loaded, checkpoint_id=ckpt)
+        set_state_dict(fresh, fresh_opt, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+        hf_fp4.load_rng_state_dict(fresh, rng)
+        resumed = steps(fresh, fresh_opt, n_steps // 2, n_steps, rank, world, distributed)
     else:
         state = model.state_dict()
     if rank == 0:
         w = state["model.layers.0.mlp.up_proj.weight"]
-        json.dump({"losses": losses, "w_sum": float(w.double().sum()), "w_abs": float(w.double().abs().sum()),
-                   "w_bits": w.float().view(torch.int32).tolist(), "fp4_layers": len(hf_fp4.fp4_modules(model)),
-                   "all_gather_bytes": gathered, "left_in_high_precision": left}, open(out_path, "w"))
+        json.dump({"losses": losses, "resumed": resumed, "w_sum": float(w.double().sum()),
+                   "w_abs": float(w.double().abs().sum()), "w_bits": w.float().view(torch.int32).tolist(),
+                   "fp4_layers": len(hf_fp4.fp4_modules(model)), "all_gather_bytes": per_call,
+                   "left_in_high_precision": left}, open(out_path, "w"))
     if distributed:
         dist.destroy_process_group()
 

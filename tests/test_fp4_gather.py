@@ -172,7 +172,7 @@ def test_payload_bytes_are_a_quarter_of_bf16_for_2d_weights():
 @pytest.mark.parametrize("recipe", ["nvfp4", "ufp4"])
 def test_fsdp2_with_fp4_all_gather_trains_exactly_as_with_bf16_all_gather(tmp_path, recipe):
     """Two CPU ranks (gloo), FSDP2 with BF16 mixed precision: the losses and the gathered weights are bit-identical
-    with and without FP4 all-gather, and the decoder layers' all-gathers (measured: the bytes each all-gather call
+    with and without FP4 all-gather, a run resumed from a sharded checkpoint continues bit for bit, and the decoder layers' all-gathers (measured: the bytes each all-gather call
     receives) shrink 3.9x (nvfp4: one 2D payload) / 1.7x (ufp4: both orientations)."""
     worker = str(ROOT / "tests" / "fsdp2_worker.py")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -187,8 +187,26 @@ def test_fsdp2_with_fp4_all_gather_trains_exactly_as_with_bf16_all_gather(tmp_pa
     plain, fp4 = runs["0"], runs["1"]
     assert fp4["left_in_high_precision"] == {}
     assert fp4["losses"] == plain["losses"] and fp4["w_bits"] == plain["w_bits"]
-    calls = list(zip(plain["all_gather_bytes"]["per_call"], fp4["all_gather_bytes"]["per_call"]))
+    # a fresh model resumed from the half-way sharded checkpoint (torch.distributed.checkpoint: model + optimizer)
+    # repeats the second half bit for bit
+    assert fp4["resumed"] == fp4["losses"][2:] and plain["resumed"] == plain["losses"][2:]
+    calls = list(zip(plain["all_gather_bytes"], fp4["all_gather_bytes"]))
     assert len(calls) == 20  # 4 steps x (the root's embeddings / norm / head + 2 layers x forward and backward)
     layer_ratios = [a / b for a, b in calls if a != b]
     assert len(layer_ratios) == 16 and len({round(r, 6) for r in layer_ratios}) == 1
     assert layer_ratios[0] > (3.9 if recipe == "nvfp4" else 1.7)
+
+
+def test_training_config_refuses_what_fp4_all_gather_cannot_do():
+    from accelerate import Accelerator
+
+    from hf_fp4.train.config import TrainConfig
+    from hf_fp4.train.trainer import enable_fp4_gather
+
+    with pytest.raises(ValueError, match="compile: false"):
+        TrainConfig(recipe="nvfp4", fp4_all_gather=True, compile=True)
+    with pytest.raises(ValueError, match="fprop and dgrad in BF16 need the weight itself"):
+        TrainConfig(recipe="nvfp4", fp4_all_gather=True, precision_schedule=[{"at": 0.9, "bf16": ["fprop"]}])
+    TrainConfig(recipe="nvfp4", fp4_all_gather=True, precision_schedule=[{"at": 0.9, "bf16": ["wgrad"]}])
+    with pytest.raises(ValueError, match="fp4_all_gather needs FSDP2"):
+        enable_fp4_gather(Accelerator(cpu=True), torch.nn.Linear(2, 2))

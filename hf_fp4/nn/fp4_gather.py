@@ -227,6 +227,10 @@ class FP4MasterWeight(torch.Tensor):
             return out
         return pytree.tree_map_only(torch.Tensor, lambda t: FP4MasterWeight(t, owner), out)
 
+    def __reduce_ex__(self, protocol):
+        """Saved (torch.save, torch.distributed.checkpoint) as its plain tensor: checkpoints hold values only."""
+        return self._tensor.__reduce_ex__(protocol)
+
     def __tensor_flatten__(self):
         return ["_tensor"], self._owner
 

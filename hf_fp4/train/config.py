@@ -57,6 +57,7 @@ class TrainConfig:
     compile_mode: str = "auto"                    # auto (CUDA graphs on GPU) | default | reduce-overhead | max-autotune...
     compile_backend: str = "inductor"             # inductor | aot_eager (debugging: same numerics as eager)
     fp8_gemms: bool = True                        # MX-family GEMMs on the FP8 tensor cores; false: BF16, FP32 accum.
+    fp4_all_gather: bool = False                  # FSDP2: all-gather FP4 layers' weights as FP4 codes + scales
     # bookkeeping
     output_dir: str = "runs/default"
     eval_every: int = 50
@@ -72,7 +73,7 @@ class TrainConfig:
 
     def validate(self) -> None:
         choices = {"schedule": ("cosine", "wsd", "constant"), "mixed_precision": ("auto", "bf16", "no"),
-                   "compile": ("auto", True, False), "fp8_gemms": (True, False),
+                   "compile": ("auto", True, False), "fp8_gemms": (True, False), "fp4_all_gather": (True, False),
                    "compile_mode": MODES, "compile_backend": COMPILE_BACKENDS}
         for key, valid in choices.items():
             if getattr(self, key) not in valid:
@@ -91,6 +92,9 @@ class TrainConfig:
         preset(self.recipe, seed=self.seed, **self.recipe_options)  # unknown or ill-typed options fail here
         self._validate_precision_schedule()
         self._validate_optimizer()
+        if self.fp4_all_gather and self.compile is True:
+            raise ValueError("fp4_all_gather runs eagerly (its gathered weight is a tensor subclass torch.compile does "
+                             "not trace): set compile: false (auto turns it off)")
         if not isinstance(self.dataset, dict) and self.dataset not in BUILTIN_DATASETS:
             raise ValueError(f"dataset={self.dataset!r}: valid values are {', '.join(BUILTIN_DATASETS)} or a "
                              "mapping ({files: [...]} or {hub: name})")
@@ -135,6 +139,9 @@ class TrainConfig:
                 raise ValueError(f"{where}.bf16 must be a non-empty list of GEMMs from {', '.join(GEMMS)}; "
                                  f"got {gemms!r}")
             last = float(at)
+            if self.fp4_all_gather and {"fprop", "dgrad"} & set(gemms):
+                raise ValueError(f"{where}: fprop and dgrad in BF16 need the weight itself, which fp4_all_gather "
+                                 "does not gather (switch wgrad only, or gather in high precision)")
 
     def bf16_gemms_at(self, step: int) -> tuple[str, ...]:
         """The GEMMs the precision schedule runs in BF16 for the step after `step` completed ones."""

@@ -26,6 +26,7 @@ import torch
 import yaml
 
 from ..nn.compile import compile_model, uses_cuda_graphs
+from ..nn.fp4_gather import enable_fp4_all_gather
 from ..nn import lora_svd
 from ..nn.swap import fp4_modules, load_rng_state_dict, rng_state_dict, run_gemms_in_bf16, set_fp8_gemms
 from ..files import atomic_write_text, replace_dir
@@ -278,6 +279,19 @@ def available_trackers(names: list[str]) -> list[str]:
             if optional(name, extras.get(name), f"logging to {name} (metrics still go to metrics.jsonl)")]
 
 
+def enable_fp4_gather(accelerator, model) -> None:
+    """FP4 weight all-gather (hf_fp4.nn.fp4_gather) under accelerate's FSDP2, before prepare shards the model."""
+    from accelerate.utils import DistributedType
+
+    if accelerator.distributed_type is not DistributedType.FSDP or not getattr(accelerator, "is_fsdp2", False):
+        raise ValueError("fp4_all_gather needs FSDP2: accelerate launch --config_file configs/accelerate/fsdp2.yaml "
+                         f"(this run is {accelerator.distributed_type.value})")
+    left = enable_fp4_all_gather(model, world_size=accelerator.num_processes)
+    if accelerator.is_main_process:
+        print(f"hf_fp4: FP4 all-gather for {len(fp4_modules(model)) - len(left)} FP4 linears"
+              + "".join(f"\n  {name}: high precision ({why})" for name, why in left.items()))
+
+
 def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
     """Run one pretraining job; returns the final metrics record."""
     from accelerate import Accelerator
@@ -295,7 +309,9 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> di
     set_seed(cfg.seed)
     model = build_model(cfg, data.vocab_size)
     set_fp8_gemms(model, cfg.fp8_gemms)
-    compiled = cfg.compile is True or (cfg.compile == "auto" and torch.cuda.is_available())
+    if cfg.fp4_all_gather:
+        enable_fp4_gather(accelerator, model)
+    compiled = cfg.compile is True or (cfg.compile == "auto" and torch.cuda.is_available() and not cfg.fp4_all_gather)
     if compiled:
         compile_model(model, cfg.compile_mode, cfg.compile_backend)
     # A gradient is a CUDA-graph output that the next micro-step's replay overwrites: a parameter whose .grad is
