@@ -31,11 +31,13 @@ def count_all_gather_bytes() -> dict:
     return counts
 
 
-def build(recipe: str, fp4_all_gather: str, param_dtype: str, distributed: bool):
+def build(recipe: str, fp4_all_gather: str, param_dtype: str, distributed: bool, checkpointing: str = "0"):
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     model = AutoModelForCausalLM.from_config(cfg, quantization_config=hf_fp4.FP4TrainConfig(recipe))
+    if checkpointing == "1":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     left = hf_fp4.enable_fp4_all_gather(model) if fp4_all_gather == "1" else {}
     if distributed:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -65,7 +67,8 @@ def steps(model, opt, first: int, last: int, rank: int, world: int, distributed:
     return losses
 
 
-def main(out_path: str, recipe: str, fp4_all_gather: str = "0", param_dtype: str = "fp32", n_steps: str = "4"):
+def main(out_path: str, recipe: str, fp4_all_gather: str = "0", param_dtype: str = "fp32", n_steps: str = "4",
+         checkpointing: str = "0"):
     """Trains n_steps, writing a sharded checkpoint (torch.distributed.checkpoint: model, optimizer) half-way, then
     resumes a fresh model from it and trains the second half again (distributed runs).  fp4_all_gather "1":
     hf_fp4.enable_fp4_all_gather before fully_shard; param_dtype "bf16": FSDP2 mixed precision (parameters
@@ -75,7 +78,7 @@ def main(out_path: str, recipe: str, fp4_all_gather: str = "0", param_dtype: str
         dist.init_process_group("gloo")
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     n_steps = int(n_steps)
-    model, opt, left = build(recipe, fp4_all_gather, param_dtype, distributed)
+    model, opt, left = build(recipe, fp4_all_gather, param_dtype, distributed, checkpointing)
     gathered = count_all_gather_bytes()
     losses = steps(model, opt, 0, n_steps // 2, rank, world, distributed)
     resumed = []
@@ -92,7 +95,7 @@ def main(out_path: str, recipe: str, fp4_all_gather: str = "0", param_dtype: str
     if distributed:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        fresh, fresh_opt, _ = build(recipe, fp4_all_gather, param_dtype, distributed)
+        fresh, fresh_opt, _ = build(recipe, fp4_all_gather, param_dtype, distributed, checkpointing)
         model_sd, opt_sd = get_state_dict(fresh, fresh_opt)
         loaded = {"model": model_sd, "optim": opt_sd}
         dcp.load(loaded, checkpoint_id=ckpt)

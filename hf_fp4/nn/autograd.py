@@ -61,8 +61,11 @@ class FP4LinearFunction(torch.autograd.Function):
         # it: with seeds that are the same constant for all of them (and shared sign vectors), torch.compile's
         # common-subexpression elimination quantizes x once for all of them.
         ox, oxt = tensor_operands(x, plan, x_seeds(plan, seeds), signs, mu, need[1], "x", observer)
+        ctx.gathered = None
         if isinstance(weight, GatheredFP4Weight):  # FP4 all-gather: W arrived as its operands' codes and scales
             ow, owt = weight.operands(plan.w, need[0])
+            if need[0] and owt is None:  # dgrad's comes with the backward's all-gather
+                ctx.gathered = weight
         else:
             ow, owt = tensor_operands(weight, plan, seeds[2:4], signs, None, need[0], "w", observer)
         # fprop: y = Q(x) Q(W)^T    [T,K] @ [K,N] -> [T,N]
@@ -99,6 +102,8 @@ class FP4LinearFunction(torch.autograd.Function):
         ody, odyt = tensor_operands(dy, plan, seeds[4:6], signs, None, need_dw, "dy", ctx.observer)
         dx = dw = db = None
         if need_dx:
+            if ctx.gathered is not None:  # FP4 all-gather: from the backward's gather
+                owt = ctx.gathered.dgrad_operand(plan.w[1])
             # dgrad: dx = Q(dy) Q(W^T)^T    [T,N] @ [N,K] -> [T,K]
             # (outputs in the activation dtype, as nn.Linear's under autocast, then in the input's dtype)
             dx = gemm(ody, owt, (plan.dy[0], plan.w[1]), t, k, act_dtype, plan.triton_ops).to(x_dtype).reshape(x_shape)

@@ -27,6 +27,8 @@ Eager mode (torch.compile of a layer whose weight is a GatheredFP4Weight is not 
 from __future__ import annotations
 
 import collections
+import dataclasses
+import math
 import weakref
 from dataclasses import dataclass
 
@@ -71,9 +73,16 @@ class WeightGather:
 
     orientations: tuple[Orientation, ...]
     shared_2d: bool
+    # Each pass gathers only its own operand -- the forward fprop's, the backward (FSDP2 gathers again after
+    # resharding) dgrad's: set by enable_fp4_all_gather when both payloads have the same size (FSDP2 sizes its
+    # all-gather buffers once) and there is no square tile to share.
+    split: bool = False
 
     def row_align(self) -> int:
         return max(o.row_align for o in self.orientations)
+
+    def orientation(self, gemm: str) -> Orientation:
+        return next(o for o in self.orientations if o.gemm == gemm)
 
 
 def weight_gather(recipe: LinearRecipe, frozen: bool = False) -> "WeightGather | str":
@@ -125,70 +134,99 @@ def _rotated(t: torch.Tensor, o: Orientation, signs) -> torch.Tensor:
 
 
 def _as_rows_of_w(q: QuantizedTensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """W^T's codes and scales laid out along W's rows (the all-gather concatenates rows)."""
+    """W^T's codes and scales (bytes) laid out along W's rows (the all-gather concatenates rows)."""
     codes = pack_codes(unpack_codes(q.codes, q.spec.grid).t().contiguous(), q.spec.grid)
     return codes, q.scales.view(torch.uint8).t().contiguous()
 
 
-def _transpose(q: QuantizedTensor, codes_w: torch.Tensor, scales_w: torch.Tensor, shape) -> QuantizedTensor:
-    """The QuantizedTensor of W^T from its codes and scales along W's rows."""
-    codes = pack_codes(unpack_codes(codes_w, q.spec.grid).t().contiguous(), q.spec.grid)
-    return QuantizedTensor(codes, scales_w.t().contiguous().view(q.scales.dtype), q.tensor_scale, torch.Size(shape),
-                           q.spec)
+def _transposed(spec: QuantSpec, codes_w, scales_w, scale_dtype, tensor_scale, shape) -> QuantizedTensor:
+    """The QuantizedTensor of W^T (shape) from its codes and scale bytes along W's rows."""
+    codes = pack_codes(unpack_codes(codes_w, spec.grid).t().contiguous(), spec.grid)
+    return QuantizedTensor(codes, scales_w.t().contiguous().view(scale_dtype), tensor_scale, torch.Size(shape), spec)
 
 
-def shard_payload(shard: torch.Tensor, gather: WeightGather, signs: dict, amax_fn=None):
-    """(the all-gather inputs, metadata) of one shard [n, K] of W: per orientation its codes [n, .] and block
-    scales [n / br, .] as bytes; metadata: per orientation the tensor scale (None for E8M0) and the QuantizedTensor
-    fields the gathered side needs.  amax_fn(local amax) -> the tensor's amax (the all-reduce; identity on one
-    process)."""
+def shard_payload(shard: torch.Tensor, gather: WeightGather, signs: dict, amax_fn=None, gemms=None):
+    """(all-gather inputs, metadata) of one shard [n, K] of W: per orientation sent (`gemms`, default all) its codes
+    and block-scale bytes, flat (W's rows first: the all-gather concatenates the shards); metadata: per orientation
+    its GEMM, tensor scale (None for E8M0), scale dtype and the shard's shapes.  amax_fn(local amax) -> the
+    tensor's amax (the all-reduce)."""
     inputs, meta = [], []
     for o in gather.orientations:
+        if gemms is not None and o.gemm not in gemms:
+            continue
         t = _rotated(shard.t() if o.transposed else shard, o, signs.get(o.gemm))
         amax = None
         if o.spec.scale is ScaleRule.UE4M3_FP32:
             amax = tensor_amax(t)
             amax = amax_fn(amax) if amax_fn is not None else amax
         q = quantize(t, o.spec, tensor_amax=amax)
-        if o.transposed:
-            codes, scales = _as_rows_of_w(q)
-        else:
-            codes, scales = q.codes, q.scales.view(torch.uint8)
-        inputs += [codes, scales]
-        meta.append((q.tensor_scale, q.scales.dtype, tuple(q.shape)))
+        codes, scales = _as_rows_of_w(q) if o.transposed else (q.codes, q.scales.view(torch.uint8))
+        inputs += [codes.reshape(-1), scales.reshape(-1)]
+        meta.append((o.gemm, q.tensor_scale, q.scales.dtype, tuple(q.shape), tuple(codes.shape), tuple(scales.shape)))
     return tuple(inputs), tuple(meta)
 
 
-def gathered_operands(payload, meta, gather: WeightGather, n_rows: int) -> list[QuantizedTensor]:
-    """The QuantizedTensors of W's weight operands (fprop's, dgrad's) from the gathered payload (each input's
-    shards concatenated along rows; n_rows = W's rows)."""
-    out = []
-    for i, (o, (t_scale, s_dtype, shard_shape)) in enumerate(zip(gather.orientations, meta)):
-        codes, scales = payload[2 * i], payload[2 * i + 1]
-        if o.transposed:
-            shape = (shard_shape[0], n_rows)
-            q = QuantizedTensor(codes, scales.view(s_dtype), t_scale, torch.Size(shape), o.spec)
-            out.append(_transpose(q, codes, scales, shape))
+def gathered_operands(payload, meta, gather: WeightGather) -> dict[str, QuantizedTensor]:
+    """{GEMM: the QuantizedTensor of its weight operand} from the gathered payload (the shards' flat inputs
+    concatenated): fprop's (W, blocks along K) and dgrad's (W^T, blocks along N), those that were sent."""
+    out = {}
+    for i, (gemm, t_scale, s_dtype, q_shape, c_shape, s_shape) in enumerate(meta):
+        o = gather.orientation(gemm)
+        world = payload[2 * i].numel() // math.prod(c_shape)
+        codes = payload[2 * i].view(world * c_shape[0], c_shape[1])
+        scales = payload[2 * i + 1].view(world * s_shape[0], s_shape[1])
+        if o.transposed:  # the shard's W^T [K, n] -> [K, world n]
+            out[gemm] = _transposed(o.spec, codes, scales, s_dtype, t_scale, (q_shape[0], world * q_shape[1]))
         else:
-            out.append(QuantizedTensor(codes, scales.view(s_dtype), t_scale, torch.Size((n_rows, shard_shape[1])),
-                                       o.spec))
-    if gather.shared_2d:  # dgrad's operand: the same tiles, transposed
-        q = out[0]
-        out.append(_transpose(q, q.codes, q.scales.view(torch.uint8), (q.shape[1], q.shape[0])))
+            out[gemm] = QuantizedTensor(codes, scales.view(s_dtype), t_scale, torch.Size((world * q_shape[0],
+                                                                                          q_shape[1])), o.spec)
+    if gather.shared_2d and "fprop" in out:  # dgrad's operand: the same tiles, transposed
+        q = out["fprop"]
+        out["dgrad"] = _transposed(q.spec, q.codes, q.scales.view(torch.uint8), q.scales.dtype, q.tensor_scale,
+                                   (q.shape[1], q.shape[0]))
     return out
 
 
+def orientation_bytes(o: Orientation, rows: int, cols: int) -> tuple[int, int]:
+    """(code bytes, scale bytes) one orientation sends for a [rows, cols] shard of W."""
+    r, c = (cols, rows) if o.transposed else (rows, cols)
+    if o.hadamard:
+        c += -c % o.hadamard
+    br, bc = o.spec.block
+    rp, cp = r + -r % br, c + -c % bc
+    return rp * cp * ELEMENT_BITS[o.spec.grid] // 8, (rp // br) * (cp // bc)
+
+
 def payload_bytes(gather: WeightGather, rows: int, cols: int) -> int:
-    """Bytes one rank sends for a [rows, cols] shard (the all-gather input; its output is world x that)."""
-    total = 0
-    for o in gather.orientations:
-        r, c = (cols, rows) if o.transposed else (rows, cols)
-        if o.hadamard:
-            c += -c % o.hadamard
-        br, bc = o.spec.block
-        rp, cp = r + -r % br, c + -c % bc
-        total += rp * cp * ELEMENT_BITS[o.spec.grid] // 8 + (rp // br) * (cp // bc)
-    return total
+    """Bytes one rank sends per all-gather for a [rows, cols] shard (its output is world x that): one orientation
+    when the passes gather their own (split), else all."""
+    sizes = [sum(orientation_bytes(o, rows, cols)) for o in gather.orientations]
+    return max(sizes) if gather.split else sum(sizes)
+
+
+def _fsdp_group(root: nn.Module, tensor):
+    """FSDP2's parameter group that all-gathers `tensor` (a sharded local weight), found from the model's root, or
+    None where FSDP2's internals are not as expected (then both orientations are sent)."""
+    try:
+        for m in root.modules():
+            if hasattr(m, "_get_fsdp_state"):
+                state = m._get_fsdp_state()
+                groups = getattr(state, "_fsdp_param_groups", None) or [state._fsdp_param_group]
+                for g in groups:
+                    if g is not None and any(p._sharded_local_tensor is tensor for p in g.fsdp_params):
+                        return g, m
+    except (AttributeError, RuntimeError):
+        pass
+    return None
+
+
+def _checkpointed(module) -> bool:
+    """Activation checkpointing inside `module`: its forward runs again in the backward (HF's
+    gradient_checkpointing, torch's checkpoint_wrapper)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    return any(getattr(m, "gradient_checkpointing", False) is True or isinstance(m, CheckpointWrapper)
+               for m in module.modules())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -241,7 +279,6 @@ class FP4MasterWeight(torch.Tensor):
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         layer = self._owner()
         gather = layer.fp4_gather
-        dtype = mp_policy.param_dtype or self.dtype
         group = mesh.get_group()
 
         def all_reduce_max(a):
@@ -251,8 +288,24 @@ class FP4MasterWeight(torch.Tensor):
 
         signs = {o.gemm: layer.hadamard_signs(o.gemm) for o in gather.orientations}
         signs = {g: s.to(self.device) if s is not None else None for g, s in signs.items()}
-        inputs, meta = shard_payload(self._tensor.to(dtype), gather, signs, all_reduce_max)
+        inputs, meta = shard_payload(self._tensor.to(mp_policy.param_dtype or self.dtype), gather, signs,
+                                     all_reduce_max, self._gemms(layer, module))
         return inputs, (meta, tuple(outer_size))
+
+    def _gemms(self, layer, module) -> tuple[str, ...] | None:
+        """The weight operands this all-gather sends: the pass's own where the layer splits them (decided at its first
+        gather: FSDP2 reshards it after forward, so the backward gathers again, and no activation checkpointing
+        runs its forward inside the backward), else all (None)."""
+        if not layer.fp4_gather.split:
+            return None
+        if layer.fp4_split is None:
+            found = _fsdp_group(layer.fp4_root(), self)
+            split = found is not None and found[0].post_forward_mesh_info is not None and not _checkpointed(found[1])
+            layer.fp4_split = weakref.ref(found[0]) if split else False
+        if layer.fp4_split is False:
+            return None
+        state = getattr(layer.fp4_split(), "_training_state", None)
+        return ("dgrad",) if state is not None and state.name == "PRE_BACKWARD" else ("fprop",)
 
     def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
         meta, size = metadata
@@ -287,16 +340,32 @@ class GatheredFP4Weight(torch.Tensor):
                            "and has no high-precision values; only FP4Linear's GEMMs read it.  Gather it in high "
                            "precision instead (enable_fp4_all_gather(..., skip=...))")
 
-    def quantized(self) -> list[QuantizedTensor]:
-        """The QuantizedTensors of fprop's and dgrad's weight operands."""
-        return gathered_operands(self._payload, self._meta, self._gather, self.shape[0])
+    def quantized(self) -> dict[str, QuantizedTensor]:
+        """{GEMM: QuantizedTensor} of the weight operands this gather brought (fprop's and / or dgrad's)."""
+        return gathered_operands(self._payload, self._meta, self._gather)
 
     def operands(self, plans, need_dgrad: bool) -> tuple[Operand, Operand | None]:
-        """The weight operands (fprop's; dgrad's when need_dgrad) in the forms of `plans` (LinearPlan.w)."""
+        """The weight operands in the forms of `plans` (LinearPlan.w): fprop's, and dgrad's when it is needed and
+        came with this gather (else None: the backward's gather brings it, see `dgrad_operand`)."""
         from .operands import stored_operand
 
-        q_fprop, q_dgrad = self.quantized()
-        return stored_operand(q_fprop, plans[0]), stored_operand(q_dgrad, plans[1]) if need_dgrad else None
+        q = self.quantized()
+        if "fprop" not in q:
+            raise RuntimeError("FP4 all-gather: this forward found the weight gathered for the backward (dgrad's "
+                               "operand only) -- activation checkpointing switched on after the first step?  Enable "
+                               "it before training, or gather this layer in high precision")
+        owt = stored_operand(q["dgrad"], plans[1]) if need_dgrad and "dgrad" in q else None
+        return stored_operand(q["fprop"], plans[0]), owt
+
+    def dgrad_operand(self, plan) -> Operand:
+        """dgrad's weight operand from the gather FSDP2 made for the backward."""
+        from .operands import stored_operand
+
+        q = self.quantized()
+        if "dgrad" not in q:
+            raise RuntimeError("FP4 all-gather: the backward found no FP4 gather of dgrad's weight operand (FSDP2 did "
+                               "not gather this layer again after the forward)")
+        return stored_operand(q["dgrad"], plan)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -326,7 +395,10 @@ def enable_fp4_all_gather(model: nn.Module, world_size: int | None = None, skip=
         if isinstance(reason, str):
             left[name] = reason
             continue
-        m.fp4_gather = reason
+        sizes = {orientation_bytes(o, n // world_size, k) for o in reason.orientations}
+        m.fp4_gather = dataclasses.replace(reason, split=len(reason.orientations) == 2 and len(sizes) == 1)
+        m.fp4_split = None  # decided at the first all-gather (FP4MasterWeight._gemms)
+        m.fp4_root = weakref.ref(model)
         w = m.weight
         m.weight = nn.Parameter(FP4MasterWeight(w.data, weakref.ref(m)), requires_grad=w.requires_grad)
     return left
