@@ -137,13 +137,17 @@ def swap_to_emulation(model: nn.Module) -> nn.Module:
     return model
 
 
-def torchao_float8(module: nn.Module, recipe: str) -> nn.Module | None:
+def torchao_float8(module: nn.Module, recipe: str, fsdp_all_gather: bool = False) -> nn.Module | None:
+    """torchao's float8 training (recipe: tensorwise | rowwise); fsdp_all_gather: its FSDP2 float8 all-gather of
+    the weights (tensorwise scaling only)."""
     try:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     except Exception as err:  # noqa: BLE001 - any import problem means the peer is unavailable
         print(f"torchao float8 unavailable: {err}")
         return None
     cfg = Float8LinearConfig.from_recipe_name(recipe)
+    if fsdp_all_gather:
+        cfg = dataclasses.replace(cfg, enable_fsdp_float8_all_gather=True)
     return convert_to_float8_training(module, config=cfg, module_filter_fn=lambda m, fqn: "lm_head" not in fqn)
 
 

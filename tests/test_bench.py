@@ -48,3 +48,25 @@ def test_bench_rejects_unknown_parts_and_impls_before_running(tmp_path):
                           "bf16,torchao_fp8_rowwise:compiled"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "not a linear impl, skipped there: torchao_fp8_rowwise:compiled" in run.stderr
+
+
+def test_fsdp_bench_quick_on_two_cpu_ranks_writes_every_row(tmp_path):
+    """scripts/bench_fsdp.py (issues 17 / 18) under torchrun with two gloo ranks: a row per impl with the counted
+    all-gather bytes (FP4 all-gather below BF16's), the md table; an unknown impl is refused before running."""
+    script = str(ROOT / "scripts" / "bench_fsdp.py")
+    env = {**__import__("os").environ, "OMP_NUM_THREADS": "1"}
+    impls = "bf16,hf_fp4:nvfp4,hf_fp4:nvfp4+fp4ag"
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                    str(32500 + __import__("os").getpid() % 1000), script, "--quick", "--steps", "2", "--impls", impls,
+                    "--out", str(tmp_path)], check=True, cwd=tmp_path, env=env, capture_output=True, timeout=600)
+    results = json.loads(next(tmp_path.glob("multi-gpu-*.json")).read_text())
+    runs = {r["impl"]: r for r in results["runs"]}
+    assert set(runs) == set(impls.split(",")) and all(r["gpus"] == 2 for r in runs.values())
+    assert runs["hf_fp4:nvfp4+fp4ag"]["all_gather_bytes_per_step"] < runs["hf_fp4:nvfp4"]["all_gather_bytes_per_step"]
+    assert runs["hf_fp4:nvfp4"]["all_gather_bytes_per_step"] == runs["bf16"]["all_gather_bytes_per_step"]
+    assert "torchrun --nproc_per_node 2" in results["commands"][0]
+    table = next(tmp_path.glob("multi-gpu-*.md")).read_text().splitlines()
+    assert sum(line.startswith("|---") for line in table) == 1 and sum(line.startswith("| hf_fp4") for line in table) == 2
+    bad = subprocess.run([sys.executable, script, "--impls", "hf_fp4:nvfp5"], capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode != 0 and "unknown impl(s) hf_fp4:nvfp5; valid: bf16" in bad.stderr
