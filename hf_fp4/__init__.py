@@ -16,7 +16,7 @@ __all__ = [
 ]
 
 from .nn.lora_svd import maybe_refresh as maybe_refresh_lora_svd, split_model as lora_svd_split
-from .nn.swap import (convert_model, fp4_modules, load_rng_state_dict, set_fp8_gemms,
+from .nn.swap import (convert_model, enable_fp4_all_gather, fp4_modules, load_rng_state_dict, set_fp8_gemms,
                       rng_state_dict, swap_linear_layers)
 from .nn.linear import FP4Linear, observe_operands
 from .nn.recipe import PRESET_NAMES, GemmSpec, HadamardSpec, LayerRules, LinearRecipe, Recipe, preset
@@ -34,6 +34,5 @@ __all__ += [
 from .nn.compile import compile_model  # noqa: E402
 from .nn.diagnostics import collect_diagnostics  # noqa: E402
 from .nn.attention import AttentionRecipe, fp4_attention  # noqa: E402
-from .nn.fp4_gather import enable_fp4_all_gather  # noqa: E402
 
 __all__ += ["collect_diagnostics", "compile_model", "AttentionRecipe", "fp4_attention", "enable_fp4_all_gather"]

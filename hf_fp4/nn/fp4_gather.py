@@ -12,11 +12,13 @@ FSDP2 shards a weight [N, K] along its rows (N).  A weight operand's blocks neve
   the shards' amaxes, before quantizing.
 
 Square 2D weight tiles with no Hadamard (nvfp4, tib, fullstack) make both operands from one quantization: one
-payload, ~0.5 bytes per weight against 2 for BF16.  1D weights (mxfp4, mxfp4_dh, ufp4) send both orientations
-(~1.06-1.13 bytes).  A weight is gathered as FP4 when its recipe rounds its operands to nearest with fixed (or
+payload, ~0.5 bytes per weight against 2 for BF16.  1D weights (mxfp4, mxfp4_dh, ufp4) send fprop's operand in
+the forward's all-gather and dgrad's in the backward's (FSDP2 gathers again after resharding; ~0.53-0.56 bytes
+each), or both each time (~1.06-1.13 bytes) where the layer's group keeps its weights after forward or checkpoints
+activations (the recomputed forward runs after the backward's gather).  A weight is gathered as FP4 when its recipe rounds its operands to nearest with fixed (or
 no) Hadamard signs, quantizes fprop's and dgrad's weight operands with 1-byte block scales, has no mean-bias
-term (its rank-one fprop term needs W itself) and shards evenly; `enable_fp4_all_gather` says why for the
-others, which FSDP2 gathers in their own dtype as before.
+term (its rank-one fprop term needs W itself) and shards evenly; `hf_fp4.enable_fp4_all_gather` (nn/swap.py)
+says why for the others, which FSDP2 gathers in their own dtype as before.
 
 The master weight becomes an `FP4MasterWeight` (a tensor subclass that is its high-precision tensor for every
 op: the optimizer, checkpoints and state dicts see plain values) before `fully_shard`; FSDP2 calls its
@@ -26,8 +28,6 @@ Eager mode (torch.compile of a layer whose weight is a GatheredFP4Weight is not 
 """
 from __future__ import annotations
 
-import collections
-import dataclasses
 import math
 import weakref
 from dataclasses import dataclass
@@ -43,6 +43,7 @@ from ..numerics.qtensor import QuantizedTensor, pack_codes, unpack_codes
 from ..numerics.quantize import quantize, tensor_amax
 from ..numerics.scales import ScaleRule
 from ..numerics.spec import QuantSpec, Rounding
+from .operands import stored_operand
 from .recipe import HadamardKind, LinearRecipe
 
 aten = torch.ops.aten
@@ -347,8 +348,6 @@ class GatheredFP4Weight(torch.Tensor):
     def operands(self, plans, need_dgrad: bool) -> tuple[Operand, Operand | None]:
         """The weight operands in the forms of `plans` (LinearPlan.w): fprop's, and dgrad's when it is needed and
         came with this gather (else None: the backward's gather brings it, see `dgrad_operand`)."""
-        from .operands import stored_operand
-
         q = self.quantized()
         if "fprop" not in q:
             raise RuntimeError("FP4 all-gather: this forward found the weight gathered for the backward (dgrad's "
@@ -359,46 +358,8 @@ class GatheredFP4Weight(torch.Tensor):
 
     def dgrad_operand(self, plan) -> Operand:
         """dgrad's weight operand from the gather FSDP2 made for the backward."""
-        from .operands import stored_operand
-
         q = self.quantized()
         if "dgrad" not in q:
             raise RuntimeError("FP4 all-gather: the backward found no FP4 gather of dgrad's weight operand (FSDP2 did "
                                "not gather this layer again after the forward)")
         return stored_operand(q["dgrad"], plan)
-
-
-# ----------------------------------------------------------------------------------------------
-def enable_fp4_all_gather(model: nn.Module, world_size: int | None = None, skip=()) -> dict[str, str]:
-    """Make every eligible FP4Linear's weight an FP4MasterWeight, before FSDP2's `fully_shard` (accelerate's
-    prepare): FSDP2 then all-gathers it as FP4 codes and scales.  world_size: the FSDP shard count (default: the
-    process group's).  skip: names of layers to leave alone.  Returns {layer name: why it stays in high
-    precision} for the FP4 layers that were not converted (uneven shards, recipes that need W itself)."""
-    from .linear import FP4Linear
-
-    if world_size is None:
-        world_size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-    left = {}
-    uses = collections.Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
-    for name, m in model.named_modules():
-        if not isinstance(m, FP4Linear) or isinstance(m.weight, FP4MasterWeight):
-            continue
-        reason = "skipped" if name in skip else weight_gather(m.recipe, m.frozen_weight)
-        if uses[id(m.weight)] > 1:
-            reason = "its weight is tied to another parameter"
-        if isinstance(reason, WeightGather):
-            n, k = m.weight.shape
-            align = reason.row_align()
-            if n % world_size or (n // world_size) % align or k % 2:
-                reason = (f"[{n}, {k}] over {world_size} shards: each shard's rows must be a multiple of {align} "
-                          "(and K even)")
-        if isinstance(reason, str):
-            left[name] = reason
-            continue
-        sizes = {orientation_bytes(o, n // world_size, k) for o in reason.orientations}
-        m.fp4_gather = dataclasses.replace(reason, split=len(reason.orientations) == 2 and len(sizes) == 1)
-        m.fp4_split = None  # decided at the first all-gather (FP4MasterWeight._gemms)
-        m.fp4_root = weakref.ref(model)
-        w = m.weight
-        m.weight = nn.Parameter(FP4MasterWeight(w.data, weakref.ref(m)), requires_grad=w.requires_grad)
-    return left

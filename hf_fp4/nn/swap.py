@@ -2,11 +2,15 @@
 layer rules."""
 from __future__ import annotations
 
+import collections
+import dataclasses
+import weakref
 from typing import Callable
 
-from torch import nn
+from torch import distributed, nn
 
 from .experts import convert_experts, experts_states
+from .fp4_gather import FP4MasterWeight, WeightGather, orientation_bytes, weight_gather
 from .linear import FP4Linear
 from .recipe import GEMMS, LinearRecipe, Recipe, block_index
 
@@ -117,3 +121,36 @@ def load_rng_state_dict(model: nn.Module, state: dict[str, int]) -> None:
         raise ValueError(f"hf_fp4 RNG state lacks layers {sorted(missing)[:5]}")
     for name, m in modules.items():
         m.sr_calls = int(state[name])
+
+
+def enable_fp4_all_gather(model: nn.Module, world_size: int | None = None, skip=()) -> dict[str, str]:
+    """Make every eligible FP4Linear's weight an FP4MasterWeight, before FSDP2's `fully_shard` (accelerate's
+    prepare): FSDP2 then all-gathers it as FP4 codes and scales.  world_size: the FSDP shard count (default: the
+    process group's).  skip: names of layers to leave alone.  Returns {layer name: why it stays in high
+    precision} for the FP4 layers that were not converted (uneven shards, recipes that need W itself)."""
+    if world_size is None:
+        world_size = distributed.get_world_size() if distributed.is_initialized() else 1
+    left = {}
+    uses = collections.Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    for name, m in model.named_modules():
+        if not isinstance(m, FP4Linear) or isinstance(m.weight, FP4MasterWeight):
+            continue
+        reason = "skipped" if name in skip else weight_gather(m.recipe, m.frozen_weight)
+        if uses[id(m.weight)] > 1:
+            reason = "its weight is tied to another parameter"
+        if isinstance(reason, WeightGather):
+            n, k = m.weight.shape
+            align = reason.row_align()
+            if n % world_size or (n // world_size) % align or k % 2:
+                reason = (f"[{n}, {k}] over {world_size} shards: each shard's rows must be a multiple of {align} "
+                          "(and K even)")
+        if isinstance(reason, str):
+            left[name] = reason
+            continue
+        sizes = {orientation_bytes(o, n // world_size, k) for o in reason.orientations}
+        m.fp4_gather = dataclasses.replace(reason, split=len(reason.orientations) == 2 and len(sizes) == 1)
+        m.fp4_split = None  # decided at the first all-gather (FP4MasterWeight._gemms)
+        m.fp4_root = weakref.ref(model)
+        w = m.weight
+        m.weight = nn.Parameter(FP4MasterWeight(w.data, weakref.ref(m)), requires_grad=w.requires_grad)
+    return left

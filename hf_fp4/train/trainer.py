@@ -26,9 +26,8 @@ import torch
 import yaml
 
 from ..nn.compile import compile_model, uses_cuda_graphs
-from ..nn.fp4_gather import enable_fp4_all_gather
 from ..nn import lora_svd
-from ..nn.swap import fp4_modules, load_rng_state_dict, rng_state_dict, run_gemms_in_bf16, set_fp8_gemms
+from ..nn.swap import enable_fp4_all_gather, fp4_modules, load_rng_state_dict, rng_state_dict, run_gemms_in_bf16, set_fp8_gemms
 from ..files import atomic_write_text, replace_dir
 from .data import TokenWindows, fingerprint, prepare_data
 from ..nn.diagnostics import locate_non_finite
