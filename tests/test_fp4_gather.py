@@ -38,7 +38,7 @@ def weight(rows=128, cols=128, seed=0):
     return (torch.randn(rows, cols, generator=g) * band(rows)[:, None] * band(cols)[None, :]).to(DEV)
 
 
-def gather(w, recipe, world, per_shard_amax=False):
+def gather(w, recipe, world, per_shard_amax=False, backend="reference"):
     """What FSDP2 hands the layer: each shard's payload -- its two-level tensor scales from the amax of the whole
     (rotated) tensor, as the all-reduce gives it, or, per_shard_amax, the bug of forgetting the all-reduce --
     concatenated along rows."""
@@ -49,7 +49,8 @@ def gather(w, recipe, world, per_shard_amax=False):
     whole = [max(tensor_amax(_r(s, o, signs)) for s in shards) for o in g.orientations
              if o.spec.scale.value == "ue4m3_fp32"]
     amaxes = itertools.cycle(whole)
-    parts = [shard_payload(s, g, signs, None if per_shard_amax else lambda a: next(amaxes)) for s in shards]
+    parts = [shard_payload(s, g, signs, None if per_shard_amax else lambda a: next(amaxes), backend=backend)
+             for s in shards]
     payload = [torch.cat([p[0][i] for p in parts]) for i in range(len(parts[0][0]))]
     q = gathered_operands(payload, parts[0][1], g)
     return (q["fprop"], q["dgrad"]), signs
@@ -75,7 +76,7 @@ def assert_same_operand(got, ref, plan):
 def test_gathered_shards_give_the_operands_of_the_gathered_weight(name, backend):
     recipe = preset(name).linear
     w = weight()
-    (q_fprop, q_dgrad), signs = gather(w, recipe, world=2)
+    (q_fprop, q_dgrad), signs = gather(w, recipe, world=2, backend=backend)  # shards by the kernel or reference
     plan = LinearPlan.build(recipe, backend)
     sign_pair = (signs.get("fprop"), signs.get("dgrad"))
     seeds = torch.zeros(2, dtype=torch.int64, device=DEV)
@@ -88,13 +89,14 @@ def test_gathered_shards_give_the_operands_of_the_gathered_weight(name, backend)
         assert lost == 2  # both orientations exercised the lost-block path
 
 
-def test_forgetting_the_amax_all_reduce_changes_two_level_operands():
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_forgetting_the_amax_all_reduce_changes_two_level_operands(backend):
     """Planted bug: each shard scaled by its own amax (no all-reduce) -- the NVFP4 operands differ."""
     recipe = preset("nvfp4").linear
     w = weight()
     w[:32] *= 8  # the shards' amaxes differ
-    good, _ = gather(w, recipe, world=2)
-    bad, _ = gather(w, recipe, world=2, per_shard_amax=True)
+    good, _ = gather(w, recipe, world=2, backend=backend)
+    bad, _ = gather(w, recipe, world=2, per_shard_amax=True, backend=backend)
     assert not torch.equal(good[0].dequantize(), bad[0].dequantize())
 
 

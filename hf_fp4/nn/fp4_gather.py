@@ -28,6 +28,7 @@ Eager mode (torch.compile of a layer whose weight is a GatheredFP4Weight is not 
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import weakref
 from dataclasses import dataclass
@@ -146,21 +147,36 @@ def _transposed(spec: QuantSpec, codes_w, scales_w, scale_dtype, tensor_scale, s
     return QuantizedTensor(codes, scales_w.t().contiguous().view(scale_dtype), tensor_scale, torch.Size(shape), spec)
 
 
-def shard_payload(shard: torch.Tensor, gather: WeightGather, signs: dict, amax_fn=None, gemms=None):
+def _quantized(shard: torch.Tensor, o: Orientation, signs, amax_fn, backend: str) -> QuantizedTensor:
+    """One orientation of a shard quantized (rotated first), two-level scales from amax_fn(the shard's amax):
+    the reference quantizer, or the fused Triton kernel (bit-exact with it; the shard read once more for the
+    statistics, no rotated copy).  The kernel lets a NaN / Inf make its block NaN, as the operand kernels of the
+    fast path do (no host synchronisation inside FSDP2's all-gather; the trainer stops on the non-finite loss)."""
+    if backend == "triton":
+        from ..kernels.quant import triton_quantize
+
+        return triton_quantize(shard, dataclasses.replace(o.spec, nonfinite="propagate"), hadamard=o.hadamard,
+                               signs=signs, transpose=o.transposed, amax_hook=amax_fn)
+    t = _rotated(shard.t() if o.transposed else shard, o, signs)
+    amax = None
+    if o.spec.scale is ScaleRule.UE4M3_FP32:
+        amax = tensor_amax(t)
+        amax = amax_fn(amax) if amax_fn is not None else amax
+    return quantize(t, o.spec, tensor_amax=amax)
+
+
+def shard_payload(shard: torch.Tensor, gather: WeightGather, signs: dict, amax_fn=None, gemms=None,
+                  backend: str = "reference"):
     """(all-gather inputs, metadata) of one shard [n, K] of W: per orientation sent (`gemms`, default all) its codes
     and block-scale bytes, flat (W's rows first: the all-gather concatenates the shards); metadata: per orientation
     its GEMM, tensor scale (None for E8M0), scale dtype and the shard's shapes.  amax_fn(local amax) -> the
-    tensor's amax (the all-reduce)."""
+    tensor's amax (the all-reduce).  backend: "reference" or "triton" (the fused quantizer; CUDA, or Triton's
+    interpreter)."""
     inputs, meta = [], []
     for o in gather.orientations:
         if gemms is not None and o.gemm not in gemms:
             continue
-        t = _rotated(shard.t() if o.transposed else shard, o, signs.get(o.gemm))
-        amax = None
-        if o.spec.scale is ScaleRule.UE4M3_FP32:
-            amax = tensor_amax(t)
-            amax = amax_fn(amax) if amax_fn is not None else amax
-        q = quantize(t, o.spec, tensor_amax=amax)
+        q = _quantized(shard, o, signs.get(o.gemm), amax_fn, backend)
         codes, scales = _as_rows_of_w(q) if o.transposed else (q.codes, q.scales.view(torch.uint8))
         inputs += [codes.reshape(-1), scales.reshape(-1)]
         meta.append((o.gemm, q.tensor_scale, q.scales.dtype, tuple(q.shape), tuple(codes.shape), tuple(scales.shape)))
@@ -290,7 +306,8 @@ class FP4MasterWeight(torch.Tensor):
         signs = {o.gemm: layer.hadamard_signs(o.gemm) for o in gather.orientations}
         signs = {g: s.to(self.device) if s is not None else None for g, s in signs.items()}
         inputs, meta = shard_payload(self._tensor.to(mp_policy.param_dtype or self.dtype), gather, signs,
-                                     all_reduce_max, self._gemms(layer, module))
+                                     all_reduce_max, self._gemms(layer, module),
+                                     "triton" if self.device.type == "cuda" else "reference")
         return inputs, (meta, tuple(outer_size))
 
     def _gemms(self, layer, module) -> tuple[str, ...] | None:

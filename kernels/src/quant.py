@@ -120,8 +120,11 @@ DEFAULT_TILE = (32, 64, 4)
 
 def triton_quantize(x: torch.Tensor, spec: QuantSpec, seed: int | None = None, hadamard: int = 0,
                     signs: torch.Tensor | None = None, mu: torch.Tensor | None = None,
-                    transpose: bool = False, tile: tuple[int, int, int] | None = None) -> QuantizedTensor:
-    """Quantize x ([..., K]; or x^T of a 2D x with transpose=True) with the fused kernel."""
+                    transpose: bool = False, tile: tuple[int, int, int] | None = None,
+                    amax_hook=None) -> QuantizedTensor:
+    """Quantize x ([..., K]; or x^T of a 2D x with transpose=True) with the fused kernel.  amax_hook (two-level
+    rules): called with the statistics pass's tensor amax (FP32 [1]), returns the amax to scale by -- x is a shard
+    of a tensor whose amax an all-reduce gives (FP4 all-gather)."""
     if spec.rounding is Rounding.STOCHASTIC and seed is None:
         raise ValueError("stochastic rounding with the Triton backend needs a seed")
     if transpose:
@@ -153,6 +156,8 @@ def triton_quantize(x: torch.Tensor, spec: QuantSpec, seed: int | None = None, h
         if spec.nonfinite is NonFinite.RAISE and bool(bad.item()):
             raise NonFiniteError("quantize: input has NaN/Inf value(s); pass a QuantSpec with "
                                  "nonfinite='propagate' to turn their blocks into NaN instead")
+        if amax_hook is not None and spec.scale is ScaleRule.UE4M3_FP32:
+            stat = amax_hook(stat).reshape(1).to(torch.float32).contiguous()
     gm, gk = grid[0] * bm, grid[1] * bk
     bits = consts["BITS"]
     codes = torch.empty((gm, gk // (8 // bits)), dtype=torch.uint8, device=dev)
