@@ -168,7 +168,7 @@ def render(runs: list[dict]) -> str:
                 eff = f"{r['tokens_per_s_per_gpu'] / one['tokens_per_s_per_gpu']:.0%}" if one else "-"
                 ms = r["all_gather_ms_per_step"]
                 rows.append([impl, n, f"{r['tokens_per_s_per_gpu']:,}", eff,
-                             f"{r['all_gather_bytes_per_step'] / 2**20:.1f}", f"{ms:.2f}" if ms is not None else "-",
+                             f"{r['all_gather_bytes_per_step'] / 2**20:.3g}", f"{ms:.2f}" if ms is not None else "-",
                              r["layers_left_in_high_precision"]])
         text.append(md_table(f"FSDP2, {label}, {mine[0]['tokens_per_step_per_gpu']} tokens per GPU per step "
                              "(weak scaling), BF16 mixed precision, eager",
