@@ -32,7 +32,8 @@ from . import lora_svd
 from .autograd import FP4LinearFunction, output_dtype
 from .grouped import grouped_projection, grouped_reason, segment_align
 from .grouping import group_layout
-from .linear import FP4Linear, _crc, _notify, _shared_tensor, hadamard_signs, seed_bases, step_value
+from .linear import (FP4Linear, _crc, _notify, _shared_tensor, hadamard_signs, recomputing, seed_bases,
+                     step_value)
 from ..numerics.formats import ELEMENT_BITS
 from .operands import BACKENDS, LinearPlan, plan_switch, plans_by_backend
 from .packing import packed_shapes, stored_scales
@@ -147,10 +148,11 @@ def fp4_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Te
         state._bases = state._bases.to(hidden_states.device)
         state.place_signs(hidden_states.device)
     training = torch.is_grad_enabled()
-    step = step_value(state.step)
+    again = training and recomputing()  # activation checkpointing's recompute: the first run's step, not advanced
+    step = step_value(state.step) - 1 if again else step_value(state.step)
     seeds = state._bases + step * STEP_MIX
     signs = state.signs(step)
-    if training:
+    if training and not again:
         state.step.add_(1)
     up_name = "gate_up_proj" if self.has_gate else "up_proj"
     if state.grouped_reason(self, hidden_states) is None:

@@ -72,6 +72,15 @@ def step_value(step: torch.Tensor) -> torch.Tensor:
     return _step_snapshot(step) if torch.compiler.is_compiling() else step
 
 
+def recomputing() -> bool:
+    """Whether this forward is activation checkpointing's recompute inside the backward (eager: the autograd engine
+    is running).  It must draw what the first run drew: the step counter's value minus one (the first run advanced
+    it), and it must not advance the counter again -- else the backward's SR noise comes from the next step's
+    seeds and every step moves the streams by two.  Under torch.compile the recompute is the partitioner's, on the
+    graph (see step_value)."""
+    return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
+
+
 def _shared_tensor(t: torch.Tensor, device) -> torch.Tensor:
     """One device tensor per distinct value (fixed Hadamard signs): layers with equal signs pass the same
     tensor, which torch.compile sees as one input (see FP4LinearFunction.forward)."""
@@ -265,21 +274,24 @@ class FP4Linear(nn.Linear):
         if backend == "triton" and self._frozen_fast(x):
             return self._frozen_product(x)
         plan = self._plans["graphs" if backend == "triton" and self.cuda_graphs else backend]
-        x_in, out_dtype, seeds, signs = self._step_inputs(x)
         training = torch.is_grad_enabled()
-        if training:
+        again = training and recomputing()
+        x_in, out_dtype, seeds, signs = self._step_inputs(x, rewind=again)
+        if training and not again:
             self._step.add_(1)
         need = (training and x.requires_grad, training and self.weight.requires_grad)
         observer = functools.partial(_notify, self) if _OBSERVERS else None
         return FP4LinearFunction.apply(x_in, self.weight, self.bias, seeds, signs, plan, need, out_dtype, observer)
 
-    def _step_inputs(self, x: torch.Tensor, gemms: tuple[str, ...] = GEMMS):
+    def _step_inputs(self, x: torch.Tensor, gemms: tuple[str, ...] = GEMMS, rewind: bool = False):
         """(x as the GEMMs take it, the output dtype, this step's Philox seeds, the Hadamard signs of each of
-        `gemms`)."""
+        `gemms`); rewind: the previous step's (a recomputed forward, see recomputing)."""
         if self._step.device != x.device:  # moved without Module.to() (e.g. by a sharding wrapper)
             self._place_rng(self._step.to(x.device) if not self._step.is_meta else
                             torch.zeros((), dtype=torch.int64, device=x.device))
         step, fixed = step_value(self._step), self._fixed_signs
+        if rewind:
+            step = step - 1
         seeds = self._seed_bases + step * STEP_MIX
         signs = tuple(fixed[g] if g in fixed else self.hadamard_signs(g, step) for g in gemms)
         out_dtype = output_dtype(x)
