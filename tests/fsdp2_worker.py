@@ -109,6 +109,7 @@ def main(out_path: str, recipe: str, fp4_all_gather: str = "0", param_dtype: str
         json.dump({"losses": losses, "resumed": resumed, "w_sum": float(w.double().sum()),
                    "w_abs": float(w.double().abs().sum()), "w_bits": w.float().view(torch.int32).tolist(),
                    "fp4_layers": len(hf_fp4.fp4_modules(model)), "all_gather_bytes": per_call,
+                   "state_types": sorted({type(v).__name__ for v in state.values()}),
                    "left_in_high_precision": left}, open(out_path, "w"))
     if distributed:
         dist.destroy_process_group()

@@ -207,6 +207,7 @@ def test_fsdp2_with_fp4_all_gather_trains_exactly_as_with_bf16_all_gather(tmp_pa
         runs[fp4] = json.loads(out.read_text())
     plain, fp4 = runs["0"], runs["1"]
     assert fp4["left_in_high_precision"] == {}
+    assert fp4["state_types"] == ["Tensor"]  # the gathered full state dict (the export) holds plain tensors
     assert fp4["losses"] == plain["losses"] and fp4["w_bits"] == plain["w_bits"]
     # a fresh model resumed from the half-way sharded checkpoint (torch.distributed.checkpoint: model + optimizer)
     # repeats the second half bit for bit
