@@ -282,6 +282,10 @@ class FP4MasterWeight(torch.Tensor):
             return out
         return pytree.tree_map_only(torch.Tensor, lambda t: FP4MasterWeight(t, owner), out)
 
+    def data_ptr(self) -> int:
+        """Its tensor's (a wrapper's own is 0: accelerate's FSDP2 prepare matches optimizer parameters by it)."""
+        return self._tensor.data_ptr()
+
     def __reduce_ex__(self, protocol):
         """Saved (torch.save, torch.distributed.checkpoint) as its plain tensor: checkpoints hold values only."""
         return self._tensor.__reduce_ex__(protocol)

@@ -1,0 +1,54 @@
+"""torchrun worker for tests/test_fp4_gather.py: accelerate's own FSDP2 preparation (fsdp2_prepare_model, the
+optimizer's parameters re-mapped to the shards by data pointer) of an FP4 Llama on CPU ranks with gloo, with or
+without FP4 all-gather; writes the mean losses and the gathered state dict's tensor types.
+
+accelerate enables FSDP on GPUs only: the worker sets the distributed type to FSDP after constructing the
+Accelerator (the one departure from a GPU run)."""
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+from accelerate import Accelerator
+from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+import hf_fp4
+
+
+def main(out_path: str, recipe: str, fp4_all_gather: str):
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
+                                            transformer_cls_names_to_wrap=["LlamaDecoderLayer"],
+                                            reshard_after_forward=True, state_dict_type="SHARDED_STATE_DICT")
+    accelerator = Accelerator(cpu=True, fsdp_plugin=plugin, mixed_precision="bf16")
+    accelerator.state.distributed_type = DistributedType.FSDP
+    accelerator.state.fsdp_plugin = plugin
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model = AutoModelForCausalLM.from_config(cfg, quantization_config=hf_fp4.FP4TrainConfig(recipe))
+    left = hf_fp4.enable_fp4_all_gather(model, world_size=accelerator.num_processes) if fp4_all_gather == "1" else {}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    losses = []
+    for step in range(3):
+        ids = torch.randint(0, 256, (4, 17), generator=torch.Generator().manual_seed(step))
+        ids = ids.chunk(accelerator.num_processes)[accelerator.process_index]
+        with accelerator.autocast():
+            loss = model(input_ids=ids, labels=ids).loss
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        mean = loss.detach().float().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / accelerator.num_processes)
+    # accelerator.get_state_dict's FSDP2 branch (the distributed type reads MULTI_CPU again by now)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if accelerator.is_main_process:
+        json.dump({"losses": losses, "state_types": sorted({type(v).__name__ for v in state.values()}),
+                   "fsdp": type(model).__name__, "left": left}, open(out_path, "w"))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
