@@ -9,7 +9,7 @@ import sys
 
 import torch
 import torch.distributed as dist
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3MoeConfig
 
 import hf_fp4
 
@@ -31,10 +31,19 @@ def count_all_gather_bytes() -> dict:
     return counts
 
 
-def build(recipe: str, fp4_all_gather: str, param_dtype: str, distributed: bool, checkpointing: str = "0"):
+def config(arch: str):
+    common = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=64)
+    if arch == "qwen3_moe":  # 4 experts, top 2: the experts' 3D weights sharded along the experts
+        return Qwen3MoeConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, intermediate_size=64,
+                              decoder_sparse_step=1, head_dim=16, **common)
+    return LlamaConfig(intermediate_size=128, **common)
+
+
+def build(recipe: str, fp4_all_gather: str, param_dtype: str, distributed: bool, checkpointing: str = "0",
+          arch: str = "llama"):
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    cfg = config(arch)
     model = AutoModelForCausalLM.from_config(cfg, quantization_config=hf_fp4.FP4TrainConfig(recipe))
     if checkpointing == "1":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -68,7 +77,7 @@ def steps(model, opt, first: int, last: int, rank: int, world: int, distributed:
 
 
 def main(out_path: str, recipe: str, fp4_all_gather: str = "0", param_dtype: str = "fp32", n_steps: str = "4",
-         checkpointing: str = "0"):
+         checkpointing: str = "0", arch: str = "llama"):
     """Trains n_steps, writing a sharded checkpoint (torch.distributed.checkpoint: model, optimizer) half-way, then
     resumes a fresh model from it and trains the second half again (distributed runs).  fp4_all_gather "1":
     hf_fp4.enable_fp4_all_gather before fully_shard; param_dtype "bf16": FSDP2 mixed precision (parameters
@@ -78,7 +87,7 @@ def main(out_path: str, recipe: str, fp4_all_gather: str = "0", param_dtype: str
         dist.init_process_group("gloo")
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     n_steps = int(n_steps)
-    model, opt, left = build(recipe, fp4_all_gather, param_dtype, distributed, checkpointing)
+    model, opt, left = build(recipe, fp4_all_gather, param_dtype, distributed, checkpointing, arch)
     gathered = count_all_gather_bytes()
     losses = steps(model, opt, 0, n_steps // 2, rank, world, distributed)
     resumed = []
@@ -95,7 +104,7 @@ def main(out_path: str, recipe: str, fp4_all_gather: str = "0", param_dtype: str
     if distributed:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        fresh, fresh_opt, _ = build(recipe, fp4_all_gather, param_dtype, distributed, checkpointing)
+        fresh, fresh_opt, _ = build(recipe, fp4_all_gather, param_dtype, distributed, checkpointing, arch)
         model_sd, opt_sd = get_state_dict(fresh, fresh_opt)
         loaded = {"model": model_sd, "optim": opt_sd}
         dcp.load(loaded, checkpoint_id=ckpt)
@@ -105,11 +114,13 @@ def main(out_path: str, recipe: str, fp4_all_gather: str = "0", param_dtype: str
     else:
         state = model.state_dict()
     if rank == 0:
-        w = state["model.layers.0.mlp.up_proj.weight"]
+        w = state["model.layers.0.mlp.experts.down_proj" if arch == "qwen3_moe" else "model.layers.0.mlp.up_proj.weight"]
         json.dump({"losses": losses, "resumed": resumed, "w_sum": float(w.double().sum()),
-                   "w_abs": float(w.double().abs().sum()), "w_bits": w.float().view(torch.int32).tolist(),
+                   "w_abs": float(w.double().abs().sum()), "w_bits": w.float().view(torch.int32).flatten().tolist(),
                    "fp4_layers": len(hf_fp4.fp4_modules(model)), "all_gather_bytes": per_call,
                    "state_types": sorted({type(v).__name__ for v in state.values()}),
+                   "local_shapes": {n: list(getattr(p, "_local_tensor", p).shape) for n, p in model.named_parameters()
+                                    if n.endswith("layers.0.mlp.experts.down_proj")},
                    "left_in_high_precision": left}, open(out_path, "w"))
     if distributed:
         dist.destroy_process_group()
