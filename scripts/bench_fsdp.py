@@ -6,7 +6,8 @@ FP4 weight all-gather, torchao's float8 all-gather beside it.  Launch once per G
         --impls bf16,hf_fp4:nvfp4,hf_fp4:nvfp4+fp4ag,torchao_fp8_tensorwise+fp8ag [--out benchmarks]
 
 Each impl trains `--steps` steps of a fixed per-GPU batch (weak scaling) under fully_shard per decoder layer with
-BF16 mixed precision (FP32 master weights and gradient reduction), eagerly.  Measured per step: wall time (CUDA
+BF16 mixed precision (FP32 master weights and gradient reduction), eagerly or (":compiled") with each decoder block
+compiled.  Measured per step: wall time (CUDA
 events), the bytes FSDP2's all-gathers receive (dist.all_gather_single / all_gather_into_tensor, counted) and the
 GPU time of its all-gather kernels (torch.profiler).  Rank 0 adds its records to benchmarks/multi-gpu-<date>.json
 (runs of other GPU counts kept) and rewrites multi-gpu-<date>.md: per model and impl, tokens/s per GPU for each GPU
@@ -61,8 +62,9 @@ def models(names: list[str], quick: bool) -> dict[str, tuple[dict, int, int]]:
 
 def check_impls(impls: list[str]) -> None:
     """Unknown impl names end the run before any GPU time is spent, naming the valid ones."""
-    valid = ["bf16"] + [f"hf_fp4:{p}{o}" for p in PRESET_NAMES if p != "bf16" for o in ("", "+fp4ag")] + [
-        f"torchao_fp8_{s}{o}" for s in ("tensorwise", "rowwise") for o in ("", "+fp8ag")]
+    valid = ["bf16", "bf16:compiled"] + [f"hf_fp4:{p}{o}" for p in PRESET_NAMES if p != "bf16"
+                                         for o in ("", ":compiled", "+fp4ag")] + [
+        f"torchao_fp8_{s}{o}" for s in ("tensorwise", "rowwise") for o in ("", "+fp8ag", ":compiled", "+fp8ag:compiled")]
     if unknown := [i for i in impls if i not in valid]:
         raise SystemExit(f"unknown impl(s) {', '.join(unknown)}; valid: {', '.join(valid)}")
 
@@ -82,11 +84,13 @@ def count_all_gathers() -> list[int]:
 
 
 def build(impl: str, cfg_kwargs: dict, dev: str):
-    """The model of an impl under fully_shard: "bf16", "hf_fp4:<preset>[+fp4ag]", "torchao_fp8_<scaling>[+fp8ag]"."""
+    """The model of an impl under fully_shard: "bf16", "hf_fp4:<preset>[+fp4ag]", "torchao_fp8_<scaling>[+fp8ag]";
+    ":compiled": each decoder block torch.compile'd (hf_fp4.compile_model, no CUDA graphs) before sharding."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     torch.manual_seed(0)
+    impl, compiled = impl.removesuffix(":compiled"), impl.endswith(":compiled")
     name, _, option = impl.partition("+")
     cfg = LlamaConfig(**cfg_kwargs)
     if name.startswith("hf_fp4:"):
@@ -101,6 +105,8 @@ def build(impl: str, cfg_kwargs: dict, dev: str):
         model = torchao_float8(model, name.removeprefix("torchao_fp8_"), fsdp_all_gather=option == "fp8ag")
         if model is None:
             return None, cfg, left
+    if compiled:
+        hf_fp4.compile_model(model, "default")
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in model.model.layers:
         fully_shard(layer, mp_policy=mp)
@@ -171,7 +177,7 @@ def render(runs: list[dict]) -> str:
                              f"{r['all_gather_bytes_per_step'] / 2**20:.3g}", f"{ms:.2f}" if ms is not None else "-",
                              r["layers_left_in_high_precision"]])
         text.append(md_table(f"FSDP2, {label}, {mine[0]['tokens_per_step_per_gpu']} tokens per GPU per step "
-                             "(weak scaling), BF16 mixed precision, eager",
+                             "(weak scaling), BF16 mixed precision",
                              ["impl", "GPUs", "tokens/s per GPU", "scaling vs 1 GPU", "all-gather MiB / step",
                               "all-gather GPU ms / step", "FP4 layers gathered in BF16"], rows))
     return "\n".join(text)
