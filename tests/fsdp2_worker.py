@@ -41,13 +41,16 @@ def config(arch: str):
 
 
 def build(recipe: str, fp4_all_gather: str, param_dtype: str, distributed: bool, checkpointing: str = "0",
-          arch: str = "llama"):
+          arch: str = "llama", compile_backend: str = ""):
     torch.manual_seed(0)
     cfg = config(arch)
     model = AutoModelForCausalLM.from_config(cfg, quantization_config=hf_fp4.FP4TrainConfig(recipe))
     if checkpointing == "1":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     left = hf_fp4.enable_fp4_all_gather(model) if fp4_all_gather == "1" else {}
+    if compile_backend:
+        for layer in model.model.layers:
+            layer.compile(backend=compile_backend)
     if distributed:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if param_dtype == "bf16" else None)
@@ -77,7 +80,7 @@ def steps(model, opt, first: int, last: int, rank: int, world: int, distributed:
 
 
 def main(out_path: str, recipe: str, fp4_all_gather: str = "0", param_dtype: str = "fp32", n_steps: str = "4",
-         checkpointing: str = "0", arch: str = "llama"):
+         checkpointing: str = "0", arch: str = "llama", compile_backend: str = ""):
     """Trains n_steps, writing a sharded checkpoint (torch.distributed.checkpoint: model, optimizer) half-way, then
     resumes a fresh model from it and trains the second half again (distributed runs).  fp4_all_gather "1":
     hf_fp4.enable_fp4_all_gather before fully_shard; param_dtype "bf16": FSDP2 mixed precision (parameters
@@ -87,7 +90,7 @@ def main(out_path: str, recipe: str, fp4_all_gather: str = "0", param_dtype: str
         dist.init_process_group("gloo")
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     n_steps = int(n_steps)
-    model, opt, left = build(recipe, fp4_all_gather, param_dtype, distributed, checkpointing, arch)
+    model, opt, left = build(recipe, fp4_all_gather, param_dtype, distributed, checkpointing, arch, compile_backend)
     gathered = count_all_gather_bytes()
     losses = steps(model, opt, 0, n_steps // 2, rank, world, distributed)
     resumed = []
@@ -104,7 +107,7 @@ def main(out_path: str, recipe: str, fp4_all_gather: str = "0", param_dtype: str
     if distributed:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        fresh, fresh_opt, _ = build(recipe, fp4_all_gather, param_dtype, distributed, checkpointing, arch)
+        fresh, fresh_opt, _ = build(recipe, fp4_all_gather, param_dtype, distributed, checkpointing, arch, compile_backend)
         model_sd, opt_sd = get_state_dict(fresh, fresh_opt)
         loaded = {"model": model_sd, "optim": opt_sd}
         dcp.load(loaded, checkpoint_id=ckpt)

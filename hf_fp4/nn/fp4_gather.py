@@ -24,7 +24,8 @@ The master weight becomes an `FP4MasterWeight` (a tensor subclass that is its hi
 op: the optimizer, checkpoints and state dicts see plain values) before `fully_shard`; FSDP2 calls its
 `fsdp_pre_all_gather` / `fsdp_post_all_gather` hooks, and the gathered parameter is a `GatheredFP4Weight`:
 shape and dtype of W, its payload the gathered codes and scales, whose only consumer is FP4LinearFunction.
-Eager mode (torch.compile of a layer whose weight is a GatheredFP4Weight is not supported).
+Under torch.compile a layer on a GatheredFP4Weight runs outside the compiled graph (FP4Linear._gathered_product:
+traced, the tensor subclass lost its gradient); the trainer keeps FP4 all-gather eager until that is timed.
 """
 from __future__ import annotations
 

@@ -270,6 +270,18 @@ class FP4Linear(nn.Linear):
 
     def _fp4_product(self, x: torch.Tensor) -> torch.Tensor:
         """x Q(W)^T + bias through FP4LinearFunction (the three GEMMs of the recipe)."""
+        if isinstance(self.weight, fp4_gather.GatheredFP4Weight):
+            return self._gathered_product(x)
+        return self._product(x)
+
+    @torch.compiler.disable
+    def _gathered_product(self, x: torch.Tensor) -> torch.Tensor:
+        """_product on a weight FSDP2 gathered as FP4 (hf_fp4.nn.fp4_gather), always eagerly: torch.compile does not
+        trace the gathered tensor subclass -- traced, its gradient was silently lost (aot_eager, 14 of 14 weights)
+        -- so a compiled block runs this layer outside its graph."""
+        return self._product(x)
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
         backend = self.resolved_backend(x)
         if backend == "triton" and self._frozen_fast(x):
             return self._frozen_product(x)

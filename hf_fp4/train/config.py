@@ -93,8 +93,8 @@ class TrainConfig:
         self._validate_precision_schedule()
         self._validate_optimizer()
         if self.fp4_all_gather and self.compile is True:
-            raise ValueError("fp4_all_gather runs eagerly (its gathered weight is a tensor subclass torch.compile does "
-                             "not trace): set compile: false (auto turns it off)")
+            raise ValueError("fp4_all_gather trains eagerly (torch.compile would run its layers outside the compiled "
+                             "graph, untimed yet): set compile: false (auto turns it off)")
         if not isinstance(self.dataset, dict) and self.dataset not in BUILTIN_DATASETS:
             raise ValueError(f"dataset={self.dataset!r}: valid values are {', '.join(BUILTIN_DATASETS)} or a "
                              "mapping ({files: [...]} or {hub: name})")
