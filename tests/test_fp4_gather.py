@@ -29,7 +29,10 @@ DEV = "cuda" if CUDA else "cpu"
 GATHERED = ["nvfp4", "mxfp4", "mxfp4_dh", "ufp4", "tib"]
 
 
-def weight(rows=128, cols=128, seed=0):
+SIZE = (2048, 4096) if CUDA else (128, 128)  # full size on the GPU (scripts/gpu_check.sh), interpreted here
+
+
+def weight(rows=SIZE[0], cols=SIZE[1], seed=0):
     """32-row and 32-column bands 0, 14, 20 and 15 binades down: an FP8 operand loses blocks in both orientations
     (E2M1 folds blocks down to 14 binades below a row's largest exactly), and some block sits on that bound."""
     g = torch.Generator().manual_seed(seed)
