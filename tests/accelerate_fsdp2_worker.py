@@ -1,6 +1,10 @@
-"""torchrun worker for tests/test_fp4_gather.py: accelerate's own FSDP2 preparation (fsdp2_prepare_model, the
-optimizer's parameters re-mapped to the shards by data pointer) of an FP4 Llama on CPU ranks with gloo, with or
-without FP4 all-gather; writes the mean losses and the gathered state dict's tensor types.
+"""torchrun worker for tests/test_fp4_gather.py: accelerate's own FSDP2 on CPU ranks with gloo.
+
+    accelerate_fsdp2_worker.py OUT.json RECIPE FP4_ALL_GATHER   accelerate's FSDP2 preparation (fsdp2_prepare_model,
+        the optimizer's parameters re-mapped to the shards by data pointer) of an FP4 Llama, a few steps; writes the
+        mean losses and the gathered state dict's tensor types
+    accelerate_fsdp2_worker.py pretrain ARGS...                 scripts/pretrain.py's trainer under FSDP2 (prepare,
+        sharded checkpoints through accelerate's save_state / load_state, the gathered final export)
 
 accelerate enables FSDP on GPUs only: the worker sets the distributed type to FSDP after constructing the
 Accelerator (the one departure from a GPU run)."""
@@ -10,19 +14,45 @@ import sys
 import torch
 import torch.distributed as dist
 from accelerate import Accelerator
+from accelerate.state import PartialState
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import hf_fp4
 
 
-def main(out_path: str, recipe: str, fp4_all_gather: str):
-    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
-                                            transformer_cls_names_to_wrap=["LlamaDecoderLayer"],
-                                            reshard_after_forward=True, state_dict_type="SHARDED_STATE_DICT")
-    accelerator = Accelerator(cpu=True, fsdp_plugin=plugin, mixed_precision="bf16")
+def fsdp2_plugin() -> FullyShardedDataParallelPlugin:
+    """configs/accelerate/fsdp2.yaml's plugin."""
+    return FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
+                                          transformer_cls_names_to_wrap=["LlamaDecoderLayer"],
+                                          reshard_after_forward=True, state_dict_type="SHARDED_STATE_DICT")
+
+
+def force_fsdp2(accelerator: Accelerator, plugin: FullyShardedDataParallelPlugin) -> None:
     accelerator.state.distributed_type = DistributedType.FSDP
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP  # (read back by later calls)
     accelerator.state.fsdp_plugin = plugin
+
+
+def pretrain(argv: list[str]) -> int:
+    """The trainer, every Accelerator it makes under FSDP2."""
+    original = Accelerator.__init__
+
+    def init(self, *args, **kwargs):
+        plugin = fsdp2_plugin()
+        original(self, *args, fsdp_plugin=plugin, **kwargs)
+        force_fsdp2(self, plugin)
+
+    Accelerator.__init__ = init
+    from hf_fp4.cli import pretrain as run
+
+    return run(argv)
+
+
+def main(out_path: str, recipe: str, fp4_all_gather: str):
+    plugin = fsdp2_plugin()
+    accelerator = Accelerator(cpu=True, fsdp_plugin=plugin, mixed_precision="bf16")
+    force_fsdp2(accelerator, plugin)
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
@@ -42,13 +72,11 @@ def main(out_path: str, recipe: str, fp4_all_gather: str):
         mean = loss.detach().float().clone()
         dist.all_reduce(mean)
         losses.append(mean.item() / accelerator.num_processes)
-    # accelerator.get_state_dict's FSDP2 branch (the distributed type reads MULTI_CPU again by now)
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    state = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
         json.dump({"losses": losses, "state_types": sorted({type(v).__name__ for v in state.values()}),
                    "fsdp": type(model).__name__, "left": left}, open(out_path, "w"))
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    sys.exit(pretrain(sys.argv[2:])) if sys.argv[1] == "pretrain" else main(*sys.argv[1:])

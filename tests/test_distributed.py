@@ -83,3 +83,44 @@ def test_fsdp2_shards_fp4_experts_and_resumes_exactly(tmp_path):
     assert b["losses"] == pytest.approx(a["losses"], rel=2e-2)  # a sanity bound (see above), not equivalence
     assert b["state_types"] == ["Tensor"]
     assert list(b["local_shapes"].values()) == [[2, 64, 64]]  # each rank holds 2 of the 4 experts' down_proj
+
+
+def test_trainer_under_fsdp2_with_fp4_all_gather_trains_resumes_and_exports(corpus_files, tmp_path):
+    """scripts/pretrain.py's trainer under accelerate's FSDP2 on two CPU ranks (tests/accelerate_fsdp2_worker.py: the
+    distributed type set to FSDP after accelerate builds its state -- it enables FSDP on GPUs only), nvfp4: with
+    fp4_all_gather the losses equal BF16 all-gather's bit for bit; a run resumed from its step-3 sharded checkpoint
+    (accelerate save_state / load_state) repeats steps 4-6 bit for bit; the gathered final export holds the same
+    weights."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file
+
+    worker = str(ROOT / "tests" / "accelerate_fsdp2_worker.py")
+    env = {**os.environ, "TQDM_DISABLE": "1", "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1"}
+    base = {"model": MODEL, "recipe": "nvfp4", "dataset": {"files": corpus_files}, "vocab_size": 300,
+            "val_fraction": 0.1, "seq_len": 32, "max_steps": 6, "eval_every": 3, "eval_batches": 2,
+            "checkpoint_every": 3, "trackers": [], "lr": 3e-3, "warmup_steps": 1, "batch_size": 2, "compile": False}
+
+    def launch(name, *extra, **overrides):
+        cfg = tmp_path / f"{name}.yaml"
+        cfg.write_text(yaml.safe_dump({**base, "output_dir": str(tmp_path / name), **overrides}))
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                               str(35500 + os.getpid() % 1000 + len(name)), worker, "pretrain", "--config", str(cfg),
+                               *extra], env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        assert ("resumed from" in done.stdout and "(step 3)" in done.stdout) == ("--resume" in extra), done.stdout
+        return [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+
+    plain = launch("plain")
+    fp4 = launch("fp4", fp4_all_gather=True)
+    assert [r.get("loss") for r in fp4] == [r.get("loss") for r in plain] and len(fp4) >= 6
+    shutil.copytree(tmp_path / "fp4", tmp_path / "cut")
+    shutil.rmtree(tmp_path / "cut" / "checkpoints" / "step_6")
+    shutil.rmtree(tmp_path / "cut" / "final")
+    (tmp_path / "cut.yaml").write_text((tmp_path / "fp4.yaml").read_text().replace(str(tmp_path / "fp4"),
+                                                                                   str(tmp_path / "cut")))
+    resumed = launch("cut", "--resume", fp4_all_gather=True)
+    assert [r.get("loss") for r in resumed] == [r.get("loss") for r in fp4]
+    a, b = (load_file(tmp_path / run / "final" / "model.safetensors") for run in ("plain", "fp4"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
