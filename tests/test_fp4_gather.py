@@ -264,3 +264,13 @@ def test_accelerates_fsdp2_preparation_trains_the_same_with_fp4_all_gather(tmp_p
     assert runs["1"]["fsdp"].startswith("FSDP") and runs["1"]["left"] == {}
     assert runs["1"]["losses"] == runs["0"]["losses"]
     assert runs["1"]["state_types"] == ["Tensor"]
+
+
+def test_under_fsdp_the_trainer_compiles_without_cuda_graphs():
+    from hf_fp4.train.trainer import compile_mode
+
+    assert compile_mode("auto", "FSDP") == "default" and compile_mode("max-autotune-no-cudagraphs", "FSDP") == \
+        "max-autotune-no-cudagraphs"
+    assert compile_mode("auto", "MULTI_GPU") == "auto" and compile_mode("reduce-overhead", "NO") == "reduce-overhead"
+    with pytest.raises(ValueError, match="CUDA graphs, which FSDP does not support"):
+        compile_mode("reduce-overhead", "FSDP")

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import yaml
 
-from ..nn.compile import compile_model, uses_cuda_graphs
+from ..nn.compile import CUDA_GRAPH_MODES, compile_model, uses_cuda_graphs
 from ..nn import lora_svd
 from ..nn.swap import enable_fp4_all_gather, fp4_modules, load_rng_state_dict, rng_state_dict, run_gemms_in_bf16, set_fp8_gemms
 from ..files import atomic_write_text, replace_dir
@@ -278,6 +278,21 @@ def available_trackers(names: list[str]) -> list[str]:
             if optional(name, extras.get(name), f"logging to {name} (metrics still go to metrics.jsonl)")]
 
 
+def compile_mode(mode: str, distributed_type: str) -> str:
+    """The compile mode of a run: under FSDP (accelerate's FSDP / FSDP2) without CUDA graphs -- FSDP frees each
+    block's gathered weights after use and allocates them again at the next gather, which a replayed graph's
+    fixed addresses cannot follow: "auto" compiles without them, a CUDA-graph mode is refused."""
+    if distributed_type != "FSDP":
+        return mode
+    if mode == "auto":
+        return "default"
+    if mode in CUDA_GRAPH_MODES:
+        raise ValueError(f"compile_mode={mode} runs CUDA graphs, which FSDP does not support (it frees and "
+                         "re-allocates the gathered weights every step): use compile_mode: default (auto does under "
+                         "FSDP)")
+    return mode
+
+
 def enable_fp4_gather(accelerator, model) -> None:
     """FP4 weight all-gather (hf_fp4.nn.fp4_gather) under accelerate's FSDP2, before prepare shards the model."""
     from accelerate.utils import DistributedType
@@ -311,11 +326,12 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> di
     if cfg.fp4_all_gather:
         enable_fp4_gather(accelerator, model)
     compiled = cfg.compile is True or (cfg.compile == "auto" and torch.cuda.is_available() and not cfg.fp4_all_gather)
+    mode = compile_mode(cfg.compile_mode, accelerator.distributed_type.value)
     if compiled:
-        compile_model(model, cfg.compile_mode, cfg.compile_backend)
+        compile_model(model, mode, cfg.compile_backend)
     # A gradient is a CUDA-graph output that the next micro-step's replay overwrites: a parameter whose .grad is
     # None would take that buffer as its .grad; an allocated .grad accumulates into itself instead.
-    keep_grads = compiled and uses_cuda_graphs(cfg.compile_mode, cfg.compile_backend, model) and cfg.grad_accum > 1
+    keep_grads = compiled and uses_cuda_graphs(mode, cfg.compile_backend, model) and cfg.grad_accum > 1
     train_windows = TokenWindows(data.shard("train"), cfg.seq_len, seed=cfg.seed)
     val_windows = TokenWindows(data.shard("val"), cfg.seq_len, shuffle=False)
 
