@@ -181,8 +181,11 @@ def test_a_recipe_change_that_needs_the_weight_itself_is_refused():
     layer = hf_fp4.FP4Linear(64, 64, recipe=preset("nvfp4").linear, name="l")
     layer.fp4_gather = weight_gather(layer.recipe)
     layer.recipe = preset("nvfp4").linear.with_options(gemms=("fprop", "dgrad"))  # wgrad in BF16: still fine
+    assert layer.fp4_gather == weight_gather(preset("nvfp4").linear)
     with pytest.raises(ValueError, match="fprop does not quantize the weight"):
         layer.recipe = preset("nvfp4").linear.with_options(gemms=("dgrad", "wgrad"))
+    with pytest.raises(ValueError, match="quantizes the weight's fprop / dgrad operands differently"):
+        layer.recipe = preset("mxfp4").linear
 
 
 def test_payload_bytes_per_all_gather_are_about_a_quarter_of_bf16():

@@ -117,16 +117,17 @@ def weight_gather(recipe: LinearRecipe, frozen: bool = False) -> "WeightGather |
 
 
 def regather(old: WeightGather, recipe: LinearRecipe, name: str) -> WeightGather:
-    """The WeightGather of a layer whose recipe changes while its weight is FP4-gathered (a precision schedule):
-    the new one, which must fit the shards the old one was checked against."""
+    """The WeightGather of a layer whose recipe changes while its weight is FP4-gathered (a precision schedule): the
+    old one, which the new recipe must keep -- the same weight operands (FSDP2 sized its all-gather buffers for
+    them); a schedule may switch wgrad only."""
     new = weight_gather(recipe)
     if isinstance(new, str):
         raise ValueError(f"{name}: its weight is all-gathered as FP4 (enable_fp4_all_gather), which the new recipe "
                          f"cannot use: {new}")
-    if new.row_align() > old.row_align():
-        raise ValueError(f"{name}: the new recipe's weight operands need shard rows in multiples of "
-                         f"{new.row_align()}, the FP4 all-gather was set up for {old.row_align()}")
-    return new
+    if (new.orientations, new.shared_2d) != (old.orientations, old.shared_2d):
+        raise ValueError(f"{name}: the new recipe quantizes the weight's fprop / dgrad operands differently from the "
+                         "one its FP4 all-gather was set up for (FSDP2 sized its buffers for those)")
+    return old
 
 
 # ----------------------------------------------------------------------------------------------
@@ -332,7 +333,7 @@ class FP4MasterWeight(torch.Tensor):
 
     def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
         meta, size = metadata
-        if out is not None:
+        if out is not None:  # FSDP2's later gathers: the same parameter object, this gather's payload
             out._payload, out._meta = tuple(outputs), meta
             return
         gather = self._owner().fp4_gather
