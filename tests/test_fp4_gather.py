@@ -32,6 +32,17 @@ GATHERED = ["nvfp4", "mxfp4", "mxfp4_dh", "ufp4", "tib"]
 SIZE = (2048, 4096) if CUDA else (128, 128)  # full size on the GPU (scripts/gpu_check.sh), interpreted here
 
 
+def two_ranks(tmp_path, worker: str, port: int, *args: str) -> dict:
+    """tests/<worker> on two gloo ranks (torchrun) with args after its output path; returns what it wrote."""
+    out = tmp_path / f"{worker}-{'-'.join(args)}.json"
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           str(port + os.getpid() % 1000 + len(out.name) % 50), str(ROOT / "tests" / worker),
+                           str(out), *args], env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                          text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
 def weight(rows=SIZE[0], cols=SIZE[1], seed=0):
     """32-row and 32-column bands 0, 14, 20 and 15 binades down: an FP8 operand loses blocks in both orientations
     (E2M1 folds blocks down to 14 binades below a row's largest exactly), and some block sits on that bound."""
@@ -209,18 +220,8 @@ def test_fsdp2_with_fp4_all_gather_trains_exactly_as_with_bf16_all_gather(tmp_pa
     activation checkpointing (the recomputed forward runs after the backward's gather: both operands each time).
     With each decoder block compiled (aot_eager) the FP4-gathered layers run outside the graph (traced, their
     weights' gradients were silently lost): still the same bits as BF16 all-gather."""
-    worker = str(ROOT / "tests" / "fsdp2_worker.py")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    runs = {}
-    for fp4 in ("0", "1"):
-        out = tmp_path / f"{fp4}.json"
-        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                               str(31500 + os.getpid() % 1000 + int(fp4)), worker, str(out), recipe, fp4, "bf16", "4",
-                               checkpointing, "llama", compiled], env=env, capture_output=True, text=True,
-                              timeout=300, cwd=tmp_path)
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-        runs[fp4] = json.loads(out.read_text())
-    plain, fp4 = runs["0"], runs["1"]
+    plain, fp4 = (two_ranks(tmp_path, "fsdp2_worker.py", 31500, recipe, fp4, "bf16", "4", checkpointing, "llama",
+                            compiled) for fp4 in ("0", "1"))
     assert fp4["left_in_high_precision"] == {}
     assert fp4["state_types"] == ["Tensor"]  # the gathered full state dict (the export) holds plain tensors
     assert fp4["losses"] == plain["losses"] and fp4["w_bits"] == plain["w_bits"]
@@ -254,16 +255,7 @@ def test_accelerates_fsdp2_preparation_trains_the_same_with_fp4_all_gather(tmp_p
     wrapper subclass's own (0) every FP4 weight mapped to one parameter and the losses drifted silently (3rd step
     11.1437 vs 11.1559 summed over ranks); FP4MasterWeight.data_ptr is its tensor's.  Two gloo ranks, nvfp4:
     the same losses bit for bit with and without FP4 all-gather, a plain gathered state dict."""
-    worker = str(ROOT / "tests" / "accelerate_fsdp2_worker.py")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    runs = {}
-    for fp4 in ("0", "1"):
-        out = tmp_path / f"{fp4}.json"
-        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                               str(33500 + os.getpid() % 1000 + int(fp4)), worker, str(out), "nvfp4", fp4], env=env,
-                              capture_output=True, text=True, timeout=300, cwd=tmp_path)
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-        runs[fp4] = json.loads(out.read_text())
+    runs = {fp4: two_ranks(tmp_path, "accelerate_fsdp2_worker.py", 33500, "nvfp4", fp4) for fp4 in ("0", "1")}
     assert runs["1"]["fsdp"].startswith("FSDP") and runs["1"]["left"] == {}
     assert runs["1"]["losses"] == runs["0"]["losses"]
     assert runs["1"]["state_types"] == ["Tensor"]
