@@ -34,5 +34,7 @@ __all__ += [
 from .nn.compile import compile_model  # noqa: E402
 from .nn.diagnostics import collect_diagnostics  # noqa: E402
 from .nn.attention import AttentionRecipe, fp4_attention  # noqa: E402
+from .nn.fp4_gather import precompute_fp4_amax  # noqa: E402
 
-__all__ += ["collect_diagnostics", "compile_model", "AttentionRecipe", "fp4_attention", "enable_fp4_all_gather"]
+__all__ += ["collect_diagnostics", "compile_model", "AttentionRecipe", "fp4_attention", "enable_fp4_all_gather",
+            "precompute_fp4_amax"]

@@ -16,8 +16,15 @@ import hf_fp4
 
 def count_all_gather_bytes() -> dict:
     """Counts the bytes FSDP2's all-gathers receive (their output tensors): torch 2.13 calls
-    dist.all_gather_single, earlier versions dist.all_gather_into_tensor."""
-    counts = {"per_call": []}
+    dist.all_gather_single, earlier versions dist.all_gather_into_tensor; and the all-reduce calls."""
+    counts = {"per_call": [], "all_reduce": 0}
+    inner_reduce = dist.all_reduce
+
+    def all_reduce(*args, **kwargs):
+        counts["all_reduce"] += 1
+        return inner_reduce(*args, **kwargs)
+
+    dist.all_reduce = all_reduce
     for name in ("all_gather_single", "all_gather_into_tensor"):
         inner = getattr(dist, name, None)
         if inner is None:
@@ -60,7 +67,8 @@ def build(recipe: str, fp4_all_gather: str, param_dtype: str, distributed: bool,
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2), left
 
 
-def steps(model, opt, first: int, last: int, rank: int, world: int, distributed: bool) -> list[float]:
+def steps(model, opt, first: int, last: int, rank: int, world: int, distributed: bool,
+          precompute: str = "0") -> list[float]:
     losses = []
     for step in range(first, last):
         g = torch.Generator().manual_seed(1000 + step)
@@ -71,6 +79,8 @@ def steps(model, opt, first: int, last: int, rank: int, world: int, distributed:
         loss.backward()  # FSDP2 averages gradients over ranks (reduce-scatter)
         opt.step()
         opt.zero_grad()
+        if precompute == "1" or (precompute == "once" and step == 0):
+            hf_fp4.precompute_fp4_amax(model)
         mean = loss.detach().clone()
         if distributed:
             dist.all_reduce(mean)
@@ -80,7 +90,7 @@ def steps(model, opt, first: int, last: int, rank: int, world: int, distributed:
 
 
 def main(out_path: str, recipe: str, fp4_all_gather: str = "0", param_dtype: str = "fp32", n_steps: str = "4",
-         checkpointing: str = "0", arch: str = "llama", compile_backend: str = ""):
+         checkpointing: str = "0", arch: str = "llama", compile_backend: str = "", precompute: str = "0"):
     """Trains n_steps, writing a sharded checkpoint (torch.distributed.checkpoint: model, optimizer) half-way, then
     resumes a fresh model from it and trains the second half again (distributed runs).  fp4_all_gather "1":
     hf_fp4.enable_fp4_all_gather before fully_shard; param_dtype "bf16": FSDP2 mixed precision (parameters
@@ -92,7 +102,7 @@ def main(out_path: str, recipe: str, fp4_all_gather: str = "0", param_dtype: str
     n_steps = int(n_steps)
     model, opt, left = build(recipe, fp4_all_gather, param_dtype, distributed, checkpointing, arch, compile_backend)
     gathered = count_all_gather_bytes()
-    losses = steps(model, opt, 0, n_steps // 2, rank, world, distributed)
+    losses = steps(model, opt, 0, n_steps // 2, rank, world, distributed, precompute)
     resumed = []
     if distributed:
         import torch.distributed.checkpoint as dcp
@@ -102,8 +112,9 @@ def main(out_path: str, recipe: str, fp4_all_gather: str = "0", param_dtype: str
         model_sd, opt_sd = get_state_dict(model, opt)
         dcp.save({"model": model_sd, "optim": opt_sd}, checkpoint_id=ckpt)
         rng = hf_fp4.rng_state_dict(model)
-    losses += steps(model, opt, n_steps // 2, n_steps, rank, world, distributed)
+    losses += steps(model, opt, n_steps // 2, n_steps, rank, world, distributed, precompute)
     per_call = list(gathered["per_call"])  # this run's all-gathers (not the resumed one's below)
+    all_reduces = gathered["all_reduce"]
     if distributed:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -113,7 +124,7 @@ def main(out_path: str, recipe: str, fp4_all_gather: str = "0", param_dtype: str
         dcp.load(loaded, checkpoint_id=ckpt)
         set_state_dict(fresh, fresh_opt, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
         hf_fp4.load_rng_state_dict(fresh, rng)
-        resumed = steps(fresh, fresh_opt, n_steps // 2, n_steps, rank, world, distributed)
+        resumed = steps(fresh, fresh_opt, n_steps // 2, n_steps, rank, world, distributed, precompute)
     else:
         state = model.state_dict()
     if rank == 0:
@@ -121,6 +132,7 @@ def main(out_path: str, recipe: str, fp4_all_gather: str = "0", param_dtype: str
         json.dump({"losses": losses, "resumed": resumed, "w_sum": float(w.double().sum()),
                    "w_abs": float(w.double().abs().sum()), "w_bits": w.float().view(torch.int32).flatten().tolist(),
                    "fp4_layers": len(hf_fp4.fp4_modules(model)), "all_gather_bytes": per_call,
+                   "all_reduces": all_reduces,
                    "state_types": sorted({type(v).__name__ for v in state.values()}),
                    "local_shapes": {n: list(getattr(p, "_local_tensor", p).shape) for n, p in model.named_parameters()
                                     if n.endswith("layers.0.mlp.experts.down_proj")},

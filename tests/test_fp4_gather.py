@@ -209,19 +209,30 @@ def test_payload_bytes_per_all_gather_are_about_a_quarter_of_bf16():
     assert payload_bytes(both, 2048, 4096) > 0.55 * 2 * 2048 * 4096
 
 
-@pytest.mark.parametrize("recipe,checkpointing,ratio,compiled", [("nvfp4", "0", 3.9, ""), ("ufp4", "0", 3.5, ""),
-                                                                  ("ufp4", "1", 1.7, ""), ("nvfp4", "0", 3.9, "aot_eager")])
+@pytest.mark.parametrize("recipe,checkpointing,ratio,compiled,precompute", [
+    ("nvfp4", "0", 3.9, "", "once"), ("ufp4", "0", 3.5, "", "1"), ("ufp4", "1", 1.7, "", "0"),
+    ("nvfp4", "0", 3.9, "aot_eager", "0")])
 def test_fsdp2_with_fp4_all_gather_trains_exactly_as_with_bf16_all_gather(tmp_path, recipe, checkpointing, ratio,
-                                                                          compiled):
+                                                                          compiled, precompute):
     """Two CPU ranks (gloo), FSDP2 with BF16 mixed precision: the losses and the gathered weights are bit-identical
     with and without FP4 all-gather, a run resumed from a sharded checkpoint continues bit for bit, and the decoder
     layers' all-gathers (measured: the bytes each all-gather call receives) shrink: nvfp4 3.9x (one 2D payload for
     both GEMMs); ufp4 3.5x (1D: the forward gathers fprop's operand, the backward dgrad's), or 1.7x under
     activation checkpointing (the recomputed forward runs after the backward's gather: both operands each time).
     With each decoder block compiled (aot_eager) the FP4-gathered layers run outside the graph (traced, their
-    weights' gradients were silently lost): still the same bits as BF16 all-gather."""
+    weights' gradients were silently lost): still the same bits as BF16 all-gather.  With precompute_fp4_amax after
+    each optimizer step the two-level tensor amaxes take one all-reduce per step instead of one per operand per
+    gather (ufp4: 36 all-reduces in 4 steps instead of 116, the losses' own 4 included); after one precompute only,
+    the later gathers all-reduce again (nvfp4 "once": a stale amax would change the bits)."""
     plain, fp4 = (two_ranks(tmp_path, "fsdp2_worker.py", 31500, recipe, fp4, "bf16", "4", checkpointing, "llama",
-                            compiled) for fp4 in ("0", "1"))
+                            compiled, precompute) for fp4 in ("0", "1"))
+    fp4_layers, steps = 14, 4
+    if precompute == "1":  # the first step's gathers reduce their own, then one all-reduce after each step
+        assert fp4["all_reduces"] == steps + 2 * fp4_layers + steps
+    elif precompute == "once":  # step 2's gathers take it; steps 3, 4 reduce their own again
+        assert fp4["all_reduces"] == steps + 1 + 3 * 2 * fp4_layers
+    elif recipe == "ufp4":  # per operand sent (split: 1, both: 2), layer and gather (forward, backward) + the losses'
+        assert fp4["all_reduces"] == steps * ((1 if checkpointing == "0" else 2) * 2 * fp4_layers + 1)
     assert fp4["left_in_high_precision"] == {}
     assert fp4["state_types"] == ["Tensor"]  # the gathered full state dict (the export) holds plain tensors
     assert fp4["losses"] == plain["losses"] and fp4["w_bits"] == plain["w_bits"]
@@ -269,3 +280,22 @@ def test_under_fsdp_the_trainer_compiles_without_cuda_graphs():
     assert compile_mode("auto", "MULTI_GPU") == "auto" and compile_mode("reduce-overhead", "NO") == "reduce-overhead"
     with pytest.raises(ValueError, match="CUDA graphs, which FSDP does not support"):
         compile_mode("reduce-overhead", "FSDP")
+
+
+def test_a_precomputed_amax_serves_only_the_values_it_was_taken_from():
+    """FP4MasterWeight.cached_amax hands precompute_fp4_amax's amax to the gather while the shard is unchanged, and
+    nothing once an in-place update (the optimizer's) moved the shard's version counter."""
+    from transformers import AutoModelForCausalLM
+
+    from tiny import tiny_config
+
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"), quantization_config=hf_fp4.FP4TrainConfig("ufp4"))
+    hf_fp4.enable_fp4_all_gather(model, world_size=1)
+    layer = model.model.layers[0].mlp.up_proj
+    shard = layer.weight  # (FSDP2's local shard of it, on one rank)
+    layer.fp4_amax = (shard._version, {"fprop": torch.tensor(2.0), "dgrad": torch.tensor(3.0)})
+    assert [float(a) for a in shard.cached_amax(layer, None)] == [2.0, 3.0]
+    assert [float(a) for a in shard.cached_amax(layer, ("dgrad",))] == [3.0]
+    with torch.no_grad():
+        layer.weight.mul_(1.5)  # what an optimizer step does to the shard
+    assert shard.cached_amax(layer, None) == [None, None]

@@ -29,6 +29,7 @@ traced, the tensor subclass lost its gradient); the trainer keeps FP4 all-gather
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import weakref
@@ -303,18 +304,38 @@ class FP4MasterWeight(torch.Tensor):
         layer = self._owner()
         gather = layer.fp4_gather
         group = mesh.get_group()
+        layer.fp4_param_dtype = mp_policy.param_dtype or self.dtype  # (precompute_fp4_amax quantizes the same)
+        gemms = self._gemms(layer, module)
+        cached = iter(self.cached_amax(layer, gemms))
 
         def all_reduce_max(a):
+            amax = next(cached, None)
+            if amax is not None:  # precompute_fp4_amax's, for these very values
+                return amax
             a = a.clone()
             torch.distributed.all_reduce(a, op=torch.distributed.ReduceOp.MAX, group=group)
             return a
 
-        signs = {o.gemm: layer.hadamard_signs(o.gemm) for o in gather.orientations}
-        signs = {g: s.to(self.device) if s is not None else None for g, s in signs.items()}
-        inputs, meta = shard_payload(self._tensor.to(mp_policy.param_dtype or self.dtype), gather, signs,
-                                     all_reduce_max, self._gemms(layer, module),
-                                     "triton" if self.device.type == "cuda" else "reference")
+        inputs, meta = shard_payload(self._tensor.to(layer.fp4_param_dtype), gather, self.signs(layer), all_reduce_max,
+                                     gemms, "triton" if self.device.type == "cuda" else "reference")
         return inputs, (meta, tuple(outer_size))
+
+    def signs(self, layer) -> dict:
+        """The sign vectors of the layer's weight orientations' Hadamards, on the shard's device."""
+        signs = {o.gemm: layer.hadamard_signs(o.gemm) for o in layer.fp4_gather.orientations}
+        return {g: s.to(self.device) if s is not None else None for g, s in signs.items()}
+
+    def cached_amax(self, layer, gemms) -> list:
+        """precompute_fp4_amax's tensor amaxes of the two-level orientations sent (in order), or Nones: valid while
+        the sharded parameter holds the values they were taken from (its version counter, which every in-place
+        update -- the optimizer's -- moves; the wrapper's inner tensor's does not move: updates reach it below
+        autograd)."""
+        two_level = [o.gemm for o in layer.fp4_gather.orientations
+                     if o.spec.scale is ScaleRule.UE4M3_FP32 and (gemms is None or o.gemm in gemms)]
+        cache = getattr(layer, "fp4_amax", None)
+        if cache is None or _version(layer.weight, self) != cache[0]:
+            return [None] * len(two_level)
+        return [cache[1].get(g) for g in two_level]
 
     def _gemms(self, layer, module) -> tuple[str, ...] | None:
         """The weight operands this all-gather sends: the pass's own where the layer splits them (decided at its first
@@ -386,3 +407,44 @@ class GatheredFP4Weight(torch.Tensor):
             raise RuntimeError("FP4 all-gather: the backward found no FP4 gather of dgrad's weight operand (FSDP2 did "
                                "not gather this layer again after the forward)")
         return stored_operand(q["dgrad"], plan)
+
+
+def _version(param, shard) -> int | None:
+    """The version counter of the sharded parameter whose local tensor is `shard` (None: not one)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(param, DTensor) and param._local_tensor is shard:
+        return param._version
+    return param._version if param is shard else None
+
+
+@torch.no_grad()
+def precompute_fp4_amax(model: nn.Module) -> int:
+    """The tensor amaxes of every FP4-gathered weight's two-level operands (NVFP4, UFP4), all in one all-reduce per
+    device mesh -- instead of one per operand inside each FSDP2 all-gather.  Call after `optimizer.step()` (the
+    trainer does with fp4_all_gather); a weight changed since is all-reduced at its gather as before.  Weights
+    not yet gathered once (their gather dtype unknown) are left to it.  Returns how many amaxes were reduced."""
+    from torch.distributed.tensor import DTensor
+
+    todo = collections.defaultdict(list)  # mesh -> [(layer, shard, gemm, local amax)]
+    for layer in model.modules():
+        w = getattr(layer, "weight", None)
+        dtype = getattr(layer, "fp4_param_dtype", None)
+        if not isinstance(w, DTensor) or not isinstance(w._local_tensor, FP4MasterWeight) or dtype is None:
+            continue
+        shard = w._local_tensor  # (the object FSDP2 calls fsdp_pre_all_gather on; to_local() makes a new one)
+        signs = shard.signs(layer)
+        values = shard._tensor.to(dtype)
+        for o in layer.fp4_gather.orientations:
+            if o.spec.scale is ScaleRule.UE4M3_FP32:
+                amax = tensor_amax(_rotated(values.t() if o.transposed else values, o, signs.get(o.gemm)))
+                todo[w.device_mesh].append((layer, shard, o.gemm, amax))
+    for mesh, items in todo.items():
+        amaxes = torch.stack([a for *_, a in items])
+        torch.distributed.all_reduce(amaxes, op=torch.distributed.ReduceOp.MAX, group=mesh.get_group())
+        for (layer, shard, gemm, _), amax in zip(items, amaxes):
+            version = _version(layer.weight, shard)
+            if getattr(layer, "fp4_amax", (None,))[0] != version:
+                layer.fp4_amax = (version, {})
+            layer.fp4_amax[1][gemm] = amax
+    return sum(len(items) for items in todo.values())

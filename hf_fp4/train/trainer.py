@@ -27,6 +27,7 @@ import yaml
 
 from ..nn.compile import CUDA_GRAPH_MODES, compile_model, uses_cuda_graphs
 from ..nn import lora_svd
+from ..nn.fp4_gather import precompute_fp4_amax
 from ..nn.swap import enable_fp4_all_gather, fp4_modules, load_rng_state_dict, rng_state_dict, run_gemms_in_bf16, set_fp8_gemms
 from ..files import atomic_write_text, replace_dir
 from .data import TokenWindows, fingerprint, prepare_data
@@ -423,6 +424,8 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> di
             scheduler.step()
             state.bad_in_row = 0
             lora_svd.maybe_refresh(accelerator.unwrap_model(model), state.step)
+            if cfg.fp4_all_gather:  # the next gathers' tensor amaxes, in one all-reduce
+                precompute_fp4_amax(accelerator.unwrap_model(model))
         else:
             state.bad_in_row += 1
             state.skipped += 1
