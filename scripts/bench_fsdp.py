@@ -127,12 +127,15 @@ def bench(impl, label, cfg_kwargs, batch, seq, steps, dev, world, calls) -> dict
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=dev == "cuda")
     g = torch.Generator(device="cpu").manual_seed(dist.get_rank())
     batches = [torch.randint(0, cfg.vocab_size, (batch, seq), generator=g).to(dev) for _ in range(3)]
+    fp4_gather = "+fp4ag" in impl
 
     def step(i):
         ids = batches[i % len(batches)]
         model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if fp4_gather:  # as the trainer does: the next gathers' amaxes in one all-reduce
+            hf_fp4.precompute_fp4_amax(model)
 
     for i in range(3):  # warm-up (kernels, allocator, FP4 all-gather's split decision)
         step(i)
