@@ -90,7 +90,7 @@ def test_trainer_under_fsdp2_with_fp4_all_gather_trains_resumes_and_exports(corp
     distributed type set to FSDP after accelerate builds its state -- it enables FSDP on GPUs only), nvfp4: with
     fp4_all_gather the losses equal BF16 all-gather's bit for bit; a run resumed from its step-3 sharded checkpoint
     (accelerate save_state / load_state) repeats steps 4-6 bit for bit; the gathered final export holds the same
-    weights."""
+    weights; with the decoder blocks compiled (aot_eager) the losses still match BF16 all-gather's."""
     import shutil
 
     import torch
@@ -124,3 +124,7 @@ def test_trainer_under_fsdp2_with_fp4_all_gather_trains_resumes_and_exports(corp
     assert [r.get("loss") for r in resumed] == [r.get("loss") for r in fp4]
     a, b = (load_file(tmp_path / run / "final" / "model.safetensors") for run in ("plain", "fp4"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # compiled decoder blocks (the FP4-gathered layers run outside the graph): still BF16 all-gather's losses
+    compiled = {"compile": True, "compile_backend": "aot_eager"}
+    assert [r.get("loss") for r in launch("plain-compiled", **compiled)] == \
+        [r.get("loss") for r in launch("fp4-compiled", fp4_all_gather=True, **compiled)]

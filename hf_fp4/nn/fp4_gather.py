@@ -25,7 +25,7 @@ op: the optimizer, checkpoints and state dicts see plain values) before `fully_s
 `fsdp_pre_all_gather` / `fsdp_post_all_gather` hooks, and the gathered parameter is a `GatheredFP4Weight`:
 shape and dtype of W, its payload the gathered codes and scales, whose only consumer is FP4LinearFunction.
 Under torch.compile a layer on a GatheredFP4Weight runs outside the compiled graph (FP4Linear._gathered_product:
-traced, the tensor subclass lost its gradient); the trainer keeps FP4 all-gather eager until that is timed.
+traced, the tensor subclass lost its gradient); the rest of a compiled block stays compiled.
 """
 from __future__ import annotations
 

@@ -92,9 +92,7 @@ class TrainConfig:
         preset(self.recipe, seed=self.seed, **self.recipe_options)  # unknown or ill-typed options fail here
         self._validate_precision_schedule()
         self._validate_optimizer()
-        if self.fp4_all_gather and self.compile is True:
-            raise ValueError("fp4_all_gather trains eagerly (torch.compile would run its layers outside the compiled "
-                             "graph, untimed yet): set compile: false (auto turns it off)")
+
         if not isinstance(self.dataset, dict) and self.dataset not in BUILTIN_DATASETS:
             raise ValueError(f"dataset={self.dataset!r}: valid values are {', '.join(BUILTIN_DATASETS)} or a "
                              "mapping ({files: [...]} or {hub: name})")

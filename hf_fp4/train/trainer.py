@@ -326,7 +326,7 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> di
     set_fp8_gemms(model, cfg.fp8_gemms)
     if cfg.fp4_all_gather:
         enable_fp4_gather(accelerator, model)
-    compiled = cfg.compile is True or (cfg.compile == "auto" and torch.cuda.is_available() and not cfg.fp4_all_gather)
+    compiled = cfg.compile is True or (cfg.compile == "auto" and torch.cuda.is_available())
     mode = compile_mode(cfg.compile_mode, accelerator.distributed_type.value)
     if compiled:
         compile_model(model, mode, cfg.compile_backend)
