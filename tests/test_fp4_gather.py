@@ -189,12 +189,12 @@ def test_enable_converts_eligible_layers_and_says_why_not_for_the_others():
 
 
 def test_a_recipe_change_that_needs_the_weight_itself_is_refused():
-    layer = hf_fp4.FP4Linear(64, 64, recipe=preset("nvfp4").linear, name="l")
-    layer.fp4_gather = weight_gather(layer.recipe)
-    layer.recipe = preset("nvfp4").linear.with_options(gemms=("fprop", "dgrad"))  # wgrad in BF16: still fine
-    assert layer.fp4_gather == weight_gather(preset("nvfp4").linear)
+    layer = hf_fp4.FP4Linear(64, 64, recipe=preset("ufp4").linear, name="l")
+    layer.fp4_gather = dataclasses.replace(weight_gather(layer.recipe), split=True)  # as enable_fp4_all_gather sets it
+    layer.recipe = preset("ufp4").linear.with_options(gemms=("fprop", "dgrad"))  # wgrad in BF16: still fine
+    assert layer.fp4_gather == dataclasses.replace(weight_gather(preset("ufp4").linear), split=True)  # split kept
     with pytest.raises(ValueError, match="fprop does not quantize the weight"):
-        layer.recipe = preset("nvfp4").linear.with_options(gemms=("dgrad", "wgrad"))
+        layer.recipe = preset("ufp4").linear.with_options(gemms=("dgrad", "wgrad"))
     with pytest.raises(ValueError, match="quantizes the weight's fprop / dgrad operands differently"):
         layer.recipe = preset("mxfp4").linear
 
