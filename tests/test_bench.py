@@ -56,8 +56,7 @@ def test_fsdp_bench_quick_on_two_cpu_ranks_writes_every_row(tmp_path):
     script = str(ROOT / "scripts" / "bench_fsdp.py")
     env = {**__import__("os").environ, "OMP_NUM_THREADS": "1"}
     impls = "bf16,hf_fp4:nvfp4,hf_fp4:nvfp4+fp4ag"
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                    str(32500 + __import__("os").getpid() % 1000), script, "--quick", "--steps", "2", "--impls", impls,
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone", script, "--quick", "--steps", "2", "--impls", impls,
                     "--out", str(tmp_path)], check=True, cwd=tmp_path, env=env, capture_output=True, timeout=600)
     results = json.loads(next(tmp_path.glob("multi-gpu-*.json")).read_text())
     runs = {r["impl"]: r for r in results["runs"]}

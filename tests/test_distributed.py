@@ -73,9 +73,9 @@ def test_fsdp2_shards_fp4_experts_and_resumes_exactly(tmp_path):
     one = subprocess.run([sys.executable, worker, str(tmp_path / "one.json"), *args], env=env, capture_output=True,
                          text=True, timeout=300, cwd=tmp_path)
     assert one.returncode == 0, one.stderr[-3000:]
-    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                          str(34500 + os.getpid() % 1000), worker, str(tmp_path / "two.json"), *args], env=env,
-                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone", worker,
+                          str(tmp_path / "two.json"), *args], env=env, capture_output=True, text=True, timeout=300,
+                         cwd=tmp_path)
     assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
     a, b = (json.loads((tmp_path / f).read_text()) for f in ("one.json", "two.json"))
     assert a["fp4_layers"] == b["fp4_layers"] == 8  # attention projections; the experts are not FP4Linear
@@ -105,9 +105,10 @@ def test_trainer_under_fsdp2_with_fp4_all_gather_trains_resumes_and_exports(corp
     def launch(name, *extra, **overrides):
         cfg = tmp_path / f"{name}.yaml"
         cfg.write_text(yaml.safe_dump({**base, "output_dir": str(tmp_path / name), **overrides}))
-        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                               str(35500 + os.getpid() % 1000 + len(name)), worker, "pretrain", "--config", str(cfg),
-                               *extra], env=env, capture_output=True, text=True, timeout=600)
+        # --standalone: a free port from the OS (fixed ports above 32767 met gloo's ephemeral ones: EADDRINUSE)
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+                               worker, "pretrain", "--config", str(cfg), *extra], env=env, capture_output=True,
+                              text=True, timeout=600)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         assert ("resumed from" in done.stdout and "(step 3)" in done.stdout) == ("--resume" in extra), done.stdout
         return [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]

@@ -32,11 +32,12 @@ GATHERED = ["nvfp4", "mxfp4", "mxfp4_dh", "ufp4", "tib"]
 SIZE = (2048, 4096) if CUDA else (128, 128)  # full size on the GPU (scripts/gpu_check.sh), interpreted here
 
 
-def two_ranks(tmp_path, worker: str, port: int, *args: str) -> dict:
-    """tests/<worker> on two gloo ranks (torchrun) with args after its output path; returns what it wrote."""
+def two_ranks(tmp_path, worker: str, *args: str) -> dict:
+    """tests/<worker> on two gloo ranks (torchrun --standalone: a free port from the OS) with args after its output
+    path; returns what it wrote."""
     out = tmp_path / f"{worker}-{'-'.join(args)}.json"
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                           str(port + os.getpid() % 1000 + len(out.name) % 50), str(ROOT / "tests" / worker),
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+                           str(ROOT / "tests" / worker),
                            str(out), *args], env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
                           text=True, timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -224,8 +225,8 @@ def test_fsdp2_with_fp4_all_gather_trains_exactly_as_with_bf16_all_gather(tmp_pa
     each optimizer step the two-level tensor amaxes take one all-reduce per step instead of one per operand per
     gather (ufp4: 36 all-reduces in 4 steps instead of 116, the losses' own 4 included); after one precompute only,
     the later gathers all-reduce again (nvfp4 "once": a stale amax would change the bits)."""
-    plain, fp4 = (two_ranks(tmp_path, "fsdp2_worker.py", 31500, recipe, fp4, "bf16", "4", checkpointing, "llama",
-                            compiled, precompute) for fp4 in ("0", "1"))
+    plain, fp4 = (two_ranks(tmp_path, "fsdp2_worker.py", recipe, fp4, "bf16", "4", checkpointing, "llama", compiled,
+                            precompute) for fp4 in ("0", "1"))
     fp4_layers, steps = 14, 4
     if precompute == "1":  # the first step's gathers reduce their own, then one all-reduce after each step
         assert fp4["all_reduces"] == steps + 2 * fp4_layers + steps
@@ -264,7 +265,7 @@ def test_accelerates_fsdp2_preparation_trains_the_same_with_fp4_all_gather(tmp_p
     wrapper subclass's own (0) every FP4 weight mapped to one parameter and the losses drifted silently (3rd step
     11.1437 vs 11.1559 summed over ranks); FP4MasterWeight.data_ptr is its tensor's.  Two gloo ranks, nvfp4:
     the same losses bit for bit with and without FP4 all-gather, a plain gathered state dict."""
-    runs = {fp4: two_ranks(tmp_path, "accelerate_fsdp2_worker.py", 33500, "nvfp4", fp4) for fp4 in ("0", "1")}
+    runs = {fp4: two_ranks(tmp_path, "accelerate_fsdp2_worker.py", "nvfp4", fp4) for fp4 in ("0", "1")}
     assert runs["1"]["fsdp"].startswith("FSDP") and runs["1"]["left"] == {}
     assert runs["1"]["losses"] == runs["0"]["losses"]
     assert runs["1"]["state_types"] == ["Tensor"]
