@@ -186,11 +186,14 @@ def shard_payload(shard: torch.Tensor, gather: WeightGather, signs: dict, amax_f
     return tuple(inputs), tuple(meta)
 
 
-def gathered_operands(payload, meta, gather: WeightGather) -> dict[str, QuantizedTensor]:
+def gathered_operands(payload, meta, gather: WeightGather, gemms=("fprop", "dgrad")) -> dict[str, QuantizedTensor]:
     """{GEMM: the QuantizedTensor of its weight operand} from the gathered payload (the shards' flat inputs
-    concatenated): fprop's (W, blocks along K) and dgrad's (W^T, blocks along N), those that were sent."""
+    concatenated): fprop's (W, blocks along K) and dgrad's (W^T, blocks along N), those of `gemms` that were sent
+    (or, 2D tiles, derive from what was)."""
     out = {}
     for i, (gemm, t_scale, s_dtype, q_shape, c_shape, s_shape) in enumerate(meta):
+        if gemm not in gemms and not (gather.shared_2d and "dgrad" in gemms):
+            continue
         o = gather.orientation(gemm)
         world = payload[2 * i].numel() // math.prod(c_shape)
         codes = payload[2 * i].view(world * c_shape[0], c_shape[1])
@@ -200,11 +203,11 @@ def gathered_operands(payload, meta, gather: WeightGather) -> dict[str, Quantize
         else:
             out[gemm] = QuantizedTensor(codes, scales.view(s_dtype), t_scale, torch.Size((world * q_shape[0],
                                                                                           q_shape[1])), o.spec)
-    if gather.shared_2d and "fprop" in out:  # dgrad's operand: the same tiles, transposed
+    if gather.shared_2d and "fprop" in out and "dgrad" in gemms:  # dgrad's operand: the same tiles, transposed
         q = out["fprop"]
         out["dgrad"] = _transposed(q.spec, q.codes, q.scales.view(torch.uint8), q.scales.dtype, q.tensor_scale,
                                    (q.shape[1], q.shape[0]))
-    return out
+    return {g: out[g] for g in gemms if g in out}
 
 
 def orientation_bytes(o: Orientation, rows: int, cols: int) -> tuple[int, int]:
@@ -253,7 +256,7 @@ def _checkpointed(module) -> bool:
 # The tensor subclasses FSDP2 sees.
 _PRESERVE = {aten.empty_like.default, aten.new_zeros.default, aten.slice.Tensor, aten.copy_.default,
              aten.view.default, aten.as_strided.default, aten._to_copy.default, aten._pin_memory.default,
-             aten.split.Tensor, aten.clone.default, aten.chunk.default, aten.alias.default}
+             aten.split.Tensor, aten.clone.default, aten.alias.default}
 
 
 class FP4MasterWeight(torch.Tensor):
@@ -385,14 +388,14 @@ class GatheredFP4Weight(torch.Tensor):
                            "and has no high-precision values; only FP4Linear's GEMMs read it.  Gather it in high "
                            "precision instead (enable_fp4_all_gather(..., skip=...))")
 
-    def quantized(self) -> dict[str, QuantizedTensor]:
-        """{GEMM: QuantizedTensor} of the weight operands this gather brought (fprop's and / or dgrad's)."""
-        return gathered_operands(self._payload, self._meta, self._gather)
+    def quantized(self, gemms=("fprop", "dgrad")) -> dict[str, QuantizedTensor]:
+        """{GEMM: QuantizedTensor} of the weight operands of `gemms` this gather brought (fprop's and / or dgrad's)."""
+        return gathered_operands(self._payload, self._meta, self._gather, gemms)
 
     def operands(self, plans, need_dgrad: bool) -> tuple[Operand, Operand | None]:
         """The weight operands in the forms of `plans` (LinearPlan.w): fprop's, and dgrad's when it is needed and
         came with this gather (else None: the backward's gather brings it, see `dgrad_operand`)."""
-        q = self.quantized()
+        q = self.quantized(("fprop", "dgrad") if need_dgrad else ("fprop",))
         if "fprop" not in q:
             raise RuntimeError("FP4 all-gather: this forward found the weight gathered for the backward (dgrad's "
                                "operand only) -- activation checkpointing switched on after the first step?  Enable "
@@ -402,7 +405,7 @@ class GatheredFP4Weight(torch.Tensor):
 
     def dgrad_operand(self, plan) -> Operand:
         """dgrad's weight operand from the gather FSDP2 made for the backward."""
-        q = self.quantized()
+        q = self.quantized(("dgrad",))
         if "dgrad" not in q:
             raise RuntimeError("FP4 all-gather: the backward found no FP4 gather of dgrad's weight operand (FSDP2 did "
                                "not gather this layer again after the forward)")

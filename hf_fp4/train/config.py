@@ -92,7 +92,6 @@ class TrainConfig:
         preset(self.recipe, seed=self.seed, **self.recipe_options)  # unknown or ill-typed options fail here
         self._validate_precision_schedule()
         self._validate_optimizer()
-
         if not isinstance(self.dataset, dict) and self.dataset not in BUILTIN_DATASETS:
             raise ValueError(f"dataset={self.dataset!r}: valid values are {', '.join(BUILTIN_DATASETS)} or a "
                              "mapping ({files: [...]} or {hub: name})")

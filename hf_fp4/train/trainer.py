@@ -28,7 +28,8 @@ import yaml
 from ..nn.compile import CUDA_GRAPH_MODES, compile_model, uses_cuda_graphs
 from ..nn import lora_svd
 from ..nn.fp4_gather import precompute_fp4_amax
-from ..nn.swap import enable_fp4_all_gather, fp4_modules, load_rng_state_dict, rng_state_dict, run_gemms_in_bf16, set_fp8_gemms
+from ..nn.swap import (enable_fp4_all_gather, fp4_modules, load_rng_state_dict, rng_state_dict, run_gemms_in_bf16,
+                       set_fp8_gemms)
 from ..files import atomic_write_text, replace_dir
 from .data import TokenWindows, fingerprint, prepare_data
 from ..nn.diagnostics import locate_non_finite
