@@ -299,14 +299,17 @@ def test_operand_kernel_reads_an_nd_tensor_as_its_flattened_matrix():
                                    y.view(torch.uint8) if y.dtype.itemsize == 1 else y)
 
 
+@pytest.mark.parametrize("bad", [math.nan, -math.inf])
 @pytest.mark.parametrize("name,h,sr", [("nvfp4", 0, False), ("mxfp4", 0, False), ("nvfp4", 16, False),
                                        ("mxfp4", 32, False), ("nvfp4", 16, True)])
-def test_operand_kernel_nan_blocks_become_nan(name, h, sr):
-    """A NaN makes its block NaN in both orientations (h: B's Hadamard, the size of its block -- B made across
-    row tiles -- so the NaN spreads over the rotated block, no further; with SR the NaN's row tile moves its
-    block's Philox counters, kernels/src/operand._emit_across, and no other block's draws)."""
+def test_operand_kernel_nan_blocks_become_nan(name, h, sr, bad):
+    """A NaN or an Inf makes its block NaN in both orientations (h: B's Hadamard, the size of its block -- B made
+    across row tiles -- so the NaN spreads over the rotated block, no further; with SR the NaN's row tile moves its
+    block's Philox counters, kernels/src/operand._emit_across, and no other block's draws), and every other block
+    keeps its reference value: the stats pass counts the non-finite value as 0 (its unchecked walk lets an Inf
+    through and walks again)."""
     t = wide(32, 64, seed=8)
-    t[16, 5] = math.nan  # row 16: the first row of B's second block, i = 0 of its row tiles
+    t[16, 5] = bad  # row 16: the first row of B's second block, i = 0 of its row tiles
     spec = dataclasses.replace(QuantSpec.preset(name), nonfinite="propagate",
                                rounding="stochastic" if sr else "nearest")
     form = "fp8" if fp8_capable(spec) else "bf16"

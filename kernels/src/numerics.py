@@ -9,9 +9,9 @@ otherwise memory-bound:
 
 * uniform grids (E1M2 step 0.25, INT4 step 1): round-to-nearest-even is one FP32 add and subtract of
   1.5 * 2^23 * step (the addition rounds to a multiple of the step, ties to even), then the saturation;
-* E2M1 has three binades of constant step (0.5 below 2, 1 below 4, 2 above); the same trick per
-  binade, selected by two comparisons.  A tie goes to the even multiple of the step, which is the even
-  code (E2M1 codes count the grid in order), as the reference requires;
+* E2M1 has three binades of constant step (0.5 below 2, 1 below 4, 2 above); the same trick with the magic
+  constant of m's binade, built from the exponent bits of max(m, 1).  A tie goes to the even multiple of the
+  step, which is the even code (E2M1 codes count the grid in order), as the reference requires;
 * stochastic rounding compares a uniform draw with the fraction m / step - floor(m / step), which is
   (m - lo) / (hi - lo) exactly (steps are powers of two);
 * E4M3 (MXFP8 elements and UE4M3 block scales) keeps the general float-grid form.
@@ -20,6 +20,8 @@ Stochastic-rounding noise is drawn four elements per Philox call (`tl.rand4x`), 
 hf_fp4.numerics.philox.philox_noise.
 """
 from __future__ import annotations
+
+import os
 
 import triton
 import triton.language as tl
@@ -33,6 +35,8 @@ GRID_IDS = {Grid.E2M1: 0, Grid.E1M2: 1, Grid.INT4: 2, Grid.E4M3: 3}
 GRID_EMAX = {Grid.E2M1: 2, Grid.E1M2: 0, Grid.INT4: 2, Grid.E4M3: 8}
 FLT_MAX = 3.4028234663852886e38
 FLT_MIN = tl.constexpr(1.1754943508222875e-38)  # FP32's smallest normal number (hf_fp4.numerics.formats.FLT_MIN)
+#: Whether kernels run in Triton's interpreter (the CPU tests: set before triton is imported), which runs no PTX.
+INTERPRETER = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 
 
 @triton.jit
@@ -57,7 +61,7 @@ def round_float_grid(m, u, EMIN: tl.constexpr, MBITS: tl.constexpr, QMAX: tl.con
     step = pow2(e - MBITS)
     v = m * pow2(MBITS - e)  # m / step, exact
     if STOCHASTIC:
-        lo = tl.floor(v)
+        lo = floor_small(v)
         r = tl.where(u < v - lo, lo + 1.0, lo)
     else:
         r = (v + 12582912.0) - 12582912.0  # 1.5 * 2^23: FP32 addition rounds to an integer, ties to even
@@ -70,7 +74,7 @@ def _round_uniform(m, u, STEP: tl.constexpr, QMAX: tl.constexpr, STOCHASTIC: tl.
     (the FP32 sum rounds to a multiple of the step, ties to even), or SR against floor(m / STEP)."""
     if STOCHASTIC:
         v = m * (1.0 / STEP)
-        lo = tl.floor(v)
+        lo = floor_small(v)
         q = tl.where(u < v - lo, lo + 1.0, lo) * STEP
     else:
         q = (m + 12582912.0 * STEP) - 12582912.0 * STEP
@@ -81,13 +85,16 @@ def _round_uniform(m, u, STEP: tl.constexpr, QMAX: tl.constexpr, STOCHASTIC: tl.
 def round_grid(m, u, GRID: tl.constexpr, STOCHASTIC: tl.constexpr):
     """Round non-negative FP32 m onto a grid (ids: GRID_IDS); u: uniforms for SR."""
     if GRID == 0:  # E2M1: steps 0.5 / 1 / 2 on [0, 2) / [2, 4) / [4, 6]
+        # m's binade b = 2^floor(log2 max(m, 1)) from the exponent bits, the step b / 2 (a max and a mask: two
+        # compares and two selects per step choice cost twice as many ALU-pipe instructions on sm_90; m >= 8 takes
+        # step 4 here where the grid's last binade has 2: both round to 8 or more, saturated to 6 below)
+        b_bits = tl.maximum(m, 1.0).to(tl.int32, bitcast=True) & 0x7F800000
         if STOCHASTIC:
-            small, mid = m < 2.0, m < 4.0
-            v = m * tl.where(small, 2.0, tl.where(mid, 1.0, 0.5))
-            lo = tl.floor(v)
-            q = tl.where(u < v - lo, lo + 1.0, lo) * tl.where(small, 0.5, tl.where(mid, 1.0, 2.0))
-        else:  # one magic constant per element: 1.5 * 2^23 * step of m's binade
-            magic = tl.where(m < 2.0, 6291456.0, tl.where(m < 4.0, 12582912.0, 25165824.0))
+            v = m * (0x7F800000 - b_bits).to(tl.float32, bitcast=True)  # m / step: times 2 / b, exact
+            lo = floor_small(v)
+            q = tl.where(u < v - lo, lo + 1.0, lo) * (b_bits.to(tl.float32, bitcast=True) * 0.5)
+        else:  # one magic constant per element: 1.5 * 2^23 * step
+            magic = b_bits.to(tl.float32, bitcast=True) * 6291456.0
             q = (m + magic) - magic
         q = tl.minimum(q, 6.0)
     elif GRID == 1:  # E1M2: step 0.25 up to 1.75
@@ -97,6 +104,17 @@ def round_grid(m, u, GRID: tl.constexpr, STOCHASTIC: tl.constexpr):
     else:  # E4M3
         q = round_float_grid(m, u, -6, 3, 448.0, STOCHASTIC)
     return q
+
+
+@triton.jit
+def floor_small(v):
+    """floor(v) for 0 <= v < 2^23 (and NaN, Inf).  On the GPU two FP32 adds (v + 2^23 rounded toward -inf, then - 2^23:
+    exact) on the FMA pipe, where floor is an FRND on sm_90's narrower conversion pipe."""
+    if INTERPRETER:
+        return tl.floor(v)
+    else:
+        return tl.inline_asm_elementwise("{ .reg .f32 t; add.rm.f32 t, $1, 0f4B000000; sub.rn.f32 $0, t, 0f4B000000; }",
+                                         "=f,f", [v], dtype=tl.float32, is_pure=True, pack=1)
 
 
 @triton.jit
@@ -237,8 +255,17 @@ def hadamard_across(xs, signs_ptr, H: tl.constexpr, HSCALE: tl.constexpr, HAS_SI
 
 @triton.jit
 def flush_subnormals(x):
-    """hf_fp4.numerics.formats.flush_subnormals: |x| < 2^-126 -> +0 (NaN, inf kept)."""
-    return tl.where(tl.abs(x) < FLT_MIN, 0.0, x)
+    """hf_fp4.numerics.formats.flush_subnormals: |x| < 2^-126 -> +0 (NaN, inf kept).
+
+    On the GPU one FP32 add of +0 with subnormals flushed (add.rn.ftz: a subnormal x becomes a zero of its sign, and
+    -0 + +0 = +0 under round to nearest, so every zero comes out +0 -- the where() below, bit for bit): one
+    FMA-pipe instruction where the compare and select are two on the half-rate ALU pipe, which bounds the operand
+    kernels (sm_90 code: their ALU-pipe instructions outnumber the FMA pipe's; every loaded element is flushed)."""
+    if INTERPRETER:
+        return tl.where(tl.abs(x) < FLT_MIN, 0.0, x)
+    else:
+        return tl.inline_asm_elementwise("add.rn.ftz.f32 $0, $1, 0f00000000;", "=f,f", [x], dtype=tl.float32,
+                                         is_pure=True, pack=1)
 
 
 @triton.jit
