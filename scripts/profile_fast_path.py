@@ -88,6 +88,8 @@ def main():
     p.add_argument("--only-operand", default=None)
     p.add_argument("--linear", default="mxfp4,nvfp4")
     p.add_argument("--sweep", action="store_true", help="graph-replay times of the operand kernel per tile")
+    p.add_argument("--tiles", default=None,
+                   help="--sweep: comma list of RxCxW[R] operand tiles (R: reload), instead of the built-in list")
     p.add_argument("--cases", default="mxfp4,nvfp4,mxfp4-T,nvfp4-T,mxfp4-dual,nvfp4-dual,ufp4-h16,nvfp4-sr,"
                    "ufp4-dualH", help="operand cases of the operand table and --sweep")
     p.add_argument("--cprofile", action="store_true", help="host-side profile of one operands() call")
@@ -147,7 +149,11 @@ def main():
         torch.cuda.synchronize()
         return
     if args.sweep:
-        sweep(x, seeds, sign, args.cases.split(","))
+        tiles = None
+        if args.tiles:
+            tiles = [tuple(int(v) for v in t.rstrip("R").split("x")) + ((True,) if t.endswith("R") else ())
+                     for t in args.tiles.split(",")]
+        sweep(x, seeds, sign, args.cases.split(","), tiles)
         return
     if args.cprofile:
         import cProfile
@@ -542,13 +548,13 @@ def mutations(dev: str) -> None:
         print(name, "writes:", written, flush=True)
 
 
-def sweep(x, seeds, sign, cases):
+def sweep(x, seeds, sign, cases, tiles=None):
     """Kernel time (CUDA-graph replay) of the operand kernels per tile, and the transpose-copy alternative."""
     from hf_fp4.kernels.operand import triton_operands
 
     from hf_fp4.kernels import operand as operand_module
 
-    tiles = [(64, 64, 4), (32, 64, 2), (64, 64, 2), (32, 32, 1), (64, 128, 4), (128, 64, 4),  # 4th: RELOAD
+    tiles = tiles or [(64, 64, 4), (32, 64, 2), (64, 64, 2), (32, 32, 1), (64, 128, 4), (128, 64, 4),  # 4th: RELOAD
              (32, 64, 2, True), (64, 64, 4, True), (32, 128, 4, True), (64, 128, 8, True), (64, 32, 2, True)]
     copy = graph_ms(lambda: x.clone())
     print(f"copy {copy:.4f} ms (graph)")
