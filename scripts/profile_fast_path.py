@@ -94,6 +94,7 @@ def main():
                    "ufp4-dualH", help="operand cases of the operand table and --sweep")
     p.add_argument("--cprofile", action="store_true", help="host-side profile of one operands() call")
     p.add_argument("--e2e", default=None, help="comma list of bench.py impl names or presets")
+    p.add_argument("--e2e-model", default="llama-1.1b", choices=("llama-1.1b", "bench-50m"), help="--e2e's model")
     p.add_argument("--copies", default=None,
                    help="comma list of impls: inductor's kernels of one compiled 1.1B block's train step, by stores")
     p.add_argument("--code-dir", default=None, help="--copies: write each impl's generated code here")
@@ -134,7 +135,7 @@ def main():
         return
     if args.e2e:
         for name in args.e2e.split(","):
-            profile_e2e(name)
+            profile_e2e(name, model_name=args.e2e_model)
         return
     x = torch.randn(args.n, args.n, device=dev, dtype=torch.bfloat16)
     seeds = torch.tensor([1, 2], device=dev)
@@ -358,18 +359,24 @@ def fp8_accuracy(dev: str) -> None:
         print(f"| {k} | " + " | ".join(cells) + " |", flush=True)
 
 
-def profile_e2e(name: str, steps: int = 3) -> None:
+def profile_e2e(name: str, steps: int = 3, model_name: str = "llama-1.1b") -> None:
     import sys
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from bench import LLAMA_1B, build_model, train_step
+    from bench import LLAMA_1B, bench50m_model, build_model, train_step
 
     impl = _impl(name)
     torch._dynamo.reset()
-    model, cfg = build_model(impl, LLAMA_1B, "cuda")
+    if model_name == "bench-50m":  # bench.py's e2e50m part: the model and batch of configs/bench-50m.yaml
+        model_cfg, run = bench50m_model()
+        arch = {k: v for k, v in model_cfg.items() if k != "model_type"} | {"vocab_size": int(run["vocab_size"])}
+        shape = (int(run["batch_size"]), int(run["seq_len"]))
+    else:
+        arch, shape = LLAMA_1B, (4, 2048)
+    model, cfg = build_model(impl, arch, "cuda")
     train, opt = train_step(model, "cuda")
-    ids = torch.randint(0, cfg.vocab_size, (4, 2048), device="cuda")
+    ids = torch.randint(0, cfg.vocab_size, shape, device="cuda")
     step = functools.partial(train, ids)
     for _ in range(3):
         step()
@@ -381,7 +388,7 @@ def profile_e2e(name: str, steps: int = 3) -> None:
         torch.cuda.synchronize()
     events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
     gpu_ms = sum(e.self_device_time_total for e in events) / 1e3 / steps
-    print(f"\n## {impl}: step {wall:.1f} ms wall, {gpu_ms:.1f} ms of kernels ({gpu_ms / wall:.0%} busy)")
+    print(f"\n## {impl} ({model_name}): step {wall:.1f} ms wall, {gpu_ms:.1f} ms of kernels ({gpu_ms / wall:.0%} busy)")
     print("| kernel | ms per step | share |")
     for e in sorted(events, key=lambda e: -e.self_device_time_total)[:18]:
         ms = e.self_device_time_total / 1e3 / steps
