@@ -104,41 +104,6 @@ def _stats_across(t_ptr, R, C, s_r, s_c, mu_ptr, a_stat, a_signs, b_stat, b_sign
     9 (untimed).  For NVFP4's x / dy (A plain) the transpose and butterfly stages of _stats_tiles were six layout
     conversions through 16 KiB of shared memory at 128 registers; this is none, 2 KiB, 75 registers.  (A's
     per-row amax with a Hadamard would need a reduction per row tile of the B_H: those pairs stay on _stats_tiles.)"""
-    plain, b_acc, a_rot = _walk_across(t_ptr, R, C, s_r, s_c, mu_ptr, a_stat, a_signs, b_signs, cols, BR, BC, STEPS,
-                                       HAS_MU, EVEN, A_STAT, A_H, A_HSCALE, A_SIGNS, B_H, B_HSCALE, B_SIGNS, False)
-    if _saw_inf(plain, b_acc):  # rare: an Inf in the strip -- the walk once more, non-finite values as 0
-        plain, b_acc, a_rot = _walk_across(t_ptr, R, C, s_r, s_c, mu_ptr, a_stat, a_signs, b_signs, cols, BR, BC,
-                                           STEPS, HAS_MU, EVEN, A_STAT, A_H, A_HSCALE, A_SIGNS, B_H, B_HSCALE, B_SIGNS,
-                                           True)
-    if A_STAT == 2:
-        _max_into(a_stat, flush_subnormals(a_rot * A_HSCALE) if A_H > 0 else tl.max(tl.max(plain, axis=1), axis=0))
-    _send_b(b_stat, tl.max(b_acc, axis=0), cols, C, B_STAT)
-
-
-@triton.jit
-def _abs_max(acc, v, CHECKED: tl.constexpr):
-    """The running elementwise amax of the stats pass: max(acc, |v|) of finite v.  Unchecked, one instruction:
-    max ignores NaN (PTX max.f32, as the interpreter's), and an Inf is let through for the caller to see (_saw_inf)
-    and walk again CHECKED (finite_abs: a compare and a select more, on the half-rate ALU pipe of sm_90)."""
-    if CHECKED:
-        return tl.maximum(acc, finite_abs(v))
-    else:
-        return tl.maximum(acc, tl.abs(v))
-
-
-@triton.jit
-def _saw_inf(a, b):
-    """Whether an unchecked walk's running amaxes a, b (2D) met an Inf."""
-    return tl.max(tl.max(tl.maximum(a, b), axis=1), axis=0) == float("inf")
-
-
-@triton.jit
-def _walk_across(t_ptr, R, C, s_r, s_c, mu_ptr, a_stat, a_signs, b_signs, cols,
-                 BR: tl.constexpr, BC: tl.constexpr, STEPS: tl.constexpr, HAS_MU: tl.constexpr, EVEN: tl.constexpr,
-                 A_STAT: tl.constexpr, A_H: tl.constexpr, A_HSCALE: tl.constexpr, A_SIGNS: tl.constexpr,
-                 B_H: tl.constexpr, B_HSCALE: tl.constexpr, B_SIGNS: tl.constexpr, CHECKED: tl.constexpr):
-    """_stats_across's walk: (|t| for A's tensor amax, |B's rotated values|, A's rotated tensor amax); A's per-row
-    amaxes (STAT 1) are sent on the way (checked: an atomic max cannot be taken back)."""
     G: tl.constexpr = BR // B_H
     g = tl.arange(0, G)
     plain = tl.zeros([G, BC], dtype=tl.float32)  # |t| for A's tensor amax, elementwise
@@ -151,9 +116,9 @@ def _walk_across(t_ptr, R, C, s_r, s_c, mu_ptr, a_stat, a_signs, b_signs, cols,
             xs = xs + (load_tile(t_ptr, row0 + g * B_H + i, cols, R, C, s_r, s_c, mu_ptr, HAS_MU, EVEN),)
         ys = hadamard_across(xs, b_signs, B_H, B_HSCALE, B_SIGNS)
         for i in tl.static_range(B_H):
-            b_acc = _abs_max(b_acc, ys[i], CHECKED)
+            b_acc = tl.maximum(b_acc, finite_abs(ys[i]))
             if A_STAT == 2 and A_H == 0:
-                plain = _abs_max(plain, xs[i], CHECKED)
+                plain = tl.maximum(plain, finite_abs(xs[i]))
         if A_STAT == 1:  # A's per-row amax (A_H == 0): the whole tile once more (an L1 / L2 hit), reduced per row
             rows = row0 + tl.arange(0, BR)
             x = load_tile(t_ptr, rows, cols, R, C, s_r, s_c, mu_ptr, HAS_MU, EVEN)
@@ -163,7 +128,9 @@ def _walk_across(t_ptr, R, C, s_r, s_c, mu_ptr, a_stat, a_signs, b_signs, cols,
             for i in tl.static_range(1, B_H):
                 a_step = tl.maximum(a_step, hadamard_block_amax(xs[i], a_signs, G, BC, A_H, A_HSCALE, A_SIGNS))
             a_rot = tl.maximum(a_rot, tl.max(tl.max(a_step, axis=1), axis=0))
-    return plain, b_acc, a_rot
+    if A_STAT == 2:
+        _max_into(a_stat, flush_subnormals(a_rot * A_HSCALE) if A_H > 0 else tl.max(tl.max(plain, axis=1), axis=0))
+    _send_b(b_stat, tl.max(b_acc, axis=0), cols, C, B_STAT)
 
 
 @triton.jit
@@ -182,27 +149,6 @@ def _stats_tiles(t_ptr, R, C, s_r, s_c, mu_ptr, a_stat, a_signs, b_stat, b_signs
                  A_STAT: tl.constexpr, A_H: tl.constexpr, A_HSCALE: tl.constexpr, A_SIGNS: tl.constexpr,
                  B_STAT: tl.constexpr, B_H: tl.constexpr, B_HSCALE: tl.constexpr, B_SIGNS: tl.constexpr):
     """The stats pass on whole row tiles (B without a Hadamard, or with one above ACROSS_MAX)."""
-    plain, a_rot, b_rot = _walk_tiles(t_ptr, R, C, s_r, s_c, mu_ptr, a_stat, a_signs, b_signs, cols, BR, BC, STEPS,
-                                      HAS_MU, EVEN, A_STAT, A_H, A_HSCALE, A_SIGNS, B_STAT, B_H, B_HSCALE, B_SIGNS,
-                                      False)
-    if _saw_inf(plain, plain):  # rare: an Inf in the strip -- the walk once more, non-finite values as 0
-        plain, a_rot, b_rot = _walk_tiles(t_ptr, R, C, s_r, s_c, mu_ptr, a_stat, a_signs, b_signs, cols, BR, BC,
-                                          STEPS, HAS_MU, EVEN, A_STAT, A_H, A_HSCALE, A_SIGNS, B_STAT, B_H, B_HSCALE,
-                                          B_SIGNS, True)
-    if A_STAT == 2:
-        _max_into(a_stat, tl.max(a_rot, axis=0) if A_H > 0 else tl.max(tl.max(plain, axis=1), axis=0))
-    if B_STAT > 0:
-        _send_b(b_stat, b_rot if B_H > 0 else tl.max(plain, axis=0), cols, C, B_STAT)
-
-
-@triton.jit
-def _walk_tiles(t_ptr, R, C, s_r, s_c, mu_ptr, a_stat, a_signs, b_signs, cols,
-                BR: tl.constexpr, BC: tl.constexpr, STEPS: tl.constexpr, HAS_MU: tl.constexpr, EVEN: tl.constexpr,
-                A_STAT: tl.constexpr, A_H: tl.constexpr, A_HSCALE: tl.constexpr, A_SIGNS: tl.constexpr,
-                B_STAT: tl.constexpr, B_H: tl.constexpr, B_HSCALE: tl.constexpr, B_SIGNS: tl.constexpr,
-                CHECKED: tl.constexpr):
-    """_stats_tiles' walk: (|t| elementwise, A's rotated row amaxes, B's rotated row amaxes); A's per-row amaxes
-    (STAT 1) are sent on the way."""
     plain = tl.zeros([BR, BC], dtype=tl.float32)  # |t|, elementwise: A's tensor amax, B's amaxes (no Hadamard)
     a_rot = tl.zeros([BR], dtype=tl.float32)      # A's rotated rows (tensor amax): reduced per tile
     b_rot = tl.zeros([BC], dtype=tl.float32)      # B's rotated rows: reduced per tile
@@ -211,7 +157,7 @@ def _walk_tiles(t_ptr, R, C, s_r, s_c, mu_ptr, a_stat, a_signs, b_signs, cols,
         rows = (tl.program_id(0) * STEPS + step) * BR + tl.arange(0, BR)
         x = load_tile(t_ptr, rows, cols, R, C, s_r, s_c, mu_ptr, HAS_MU, EVEN)
         if PLAIN:
-            plain = _abs_max(plain, x, CHECKED)
+            plain = tl.maximum(plain, finite_abs(x))
         if A_STAT > 0 and A_H > 0:
             a = tl.max(finite_abs(hadamard(x, a_signs, BR, BC, A_H, A_HSCALE, A_SIGNS)), axis=1)
             if A_STAT == 1:
@@ -223,7 +169,10 @@ def _walk_tiles(t_ptr, R, C, s_r, s_c, mu_ptr, a_stat, a_signs, b_signs, cols,
         if B_STAT > 0 and B_H > 0:
             b_rot = tl.maximum(b_rot, tl.max(finite_abs(hadamard(tl.trans(x), b_signs, BC, BR, B_H, B_HSCALE,
                                                                   B_SIGNS)), axis=1))
-    return plain, a_rot, b_rot
+    if A_STAT == 2:
+        _max_into(a_stat, tl.max(a_rot, axis=0) if A_H > 0 else tl.max(tl.max(plain, axis=1), axis=0))
+    if B_STAT > 0:
+        _send_b(b_stat, b_rot if B_H > 0 else tl.max(plain, axis=0), cols, C, B_STAT)
 
 
 #: Rows of t a grouped operand's groups are made of (their boundaries are multiples of it): the grouped stats pass
