@@ -378,9 +378,16 @@ def test_tensorboard_tracker_writes_events(corpus_files, tmp_path):
 
 
 def test_unreachable_hub_dataset_says_what_to_do(monkeypatch):
+    import datasets
+    import huggingface_hub
+
     from hf_fp4.train import data
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    # the libraries read the variables once, at import: when an earlier test imported them online, load_dataset
+    # went to the network and waited out its timeouts (23 s of the suite on this machine)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(RuntimeError, match="Offline, use dataset=builtin or dataset="):
         next(data.iter_documents({"hub": "allenai/c4", "config": "en"}))
 
