@@ -5,6 +5,8 @@
         mean losses and the gathered state dict's tensor types
     accelerate_fsdp2_worker.py pretrain ARGS...                 scripts/pretrain.py's trainer under FSDP2 (prepare,
         sharded checkpoints through accelerate's save_state / load_state, the gathered final export)
+    accelerate_fsdp2_worker.py pretrain-fp4-eager ARGS...       the same, every FP4Linear run outside torch.compile's
+        graph (as the FP4-gathered ones always are): a compiled run whose graphs are cut where FP4 all-gather's are
 
 accelerate enables FSDP on GPUs only: the worker sets the distributed type to FSDP after constructing the
 Accelerator (the one departure from a GPU run)."""
@@ -34,8 +36,16 @@ def force_fsdp2(accelerator: Accelerator, plugin: FullyShardedDataParallelPlugin
     accelerator.state.fsdp_plugin = plugin
 
 
-def pretrain(argv: list[str]) -> int:
-    """The trainer, every Accelerator it makes under FSDP2."""
+def pretrain(argv: list[str], fp4_eager: bool = False) -> int:
+    """The trainer, every Accelerator it makes under FSDP2; fp4_eager: each FP4Linear outside the compiled graphs.
+
+    A compiled block cut at its FP4 layers sums the gradients of a tensor that feeds several layers (q/k/v, gate/up)
+    in the autograd engine's order instead of the graph's: FP32 rounding differs from the uncut block's, so the
+    FP4 all-gather is compared with BF16 all-gather on the same cut."""
+    if fp4_eager:
+        from hf_fp4.nn.linear import FP4Linear
+
+        FP4Linear._fp4_product = FP4Linear._gathered_product  # (torch.compiler.disable'd _product)
     original = Accelerator.__init__
 
     def init(self, *args, **kwargs):
@@ -79,4 +89,6 @@ def main(out_path: str, recipe: str, fp4_all_gather: str):
 
 
 if __name__ == "__main__":
-    sys.exit(pretrain(sys.argv[2:])) if sys.argv[1] == "pretrain" else main(*sys.argv[1:])
+    if sys.argv[1].startswith("pretrain"):
+        sys.exit(pretrain(sys.argv[2:], fp4_eager=sys.argv[1] == "pretrain-fp4-eager"))
+    main(*sys.argv[1:])
