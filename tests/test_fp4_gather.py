@@ -83,7 +83,33 @@ def assert_same_operand(got, ref, plan):
             a, b = a.view(torch.uint8)[lost], b.view(torch.uint8)[lost]
         if a.dtype == torch.float8_e4m3fn:
             a, b = a.view(torch.uint8), b.view(torch.uint8)
-        assert a.shape == b.shape and torch.equal(a, b), (field, plan.form)
+        assert a.shape == b.shape, (field, plan.form, a.shape, b.shape)
+        assert torch.equal(a, b), (field, plan.form, mismatches(a, b, ref, plan))
+
+
+def bits(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A one-byte tensor (codes, E8M0 / E4M3 scales) as its bytes, compared bit for bit; other tensors as they are."""
+    return t.view(torch.uint8) if t is not None and t.element_size() == 1 else t
+
+
+def mismatches(got, want, ref, plan, show=8) -> str:
+    """Where two operand fields differ (a GPU-only mismatch is diagnosed from the suite's log): how many entries, and
+    the first few with their indices, both values and, for FP8 data, the E4M3 values, the row's reference scale and
+    the block's lost-exponent entry."""
+    bad = (got != want) if got.dtype != torch.float32 else ~((got == want) | (got.isnan() & want.isnan()))
+    where = bad.nonzero()[:show].tolist()
+    lines = [f"{int(bad.sum())} of {bad.numel()} differ"]
+    for idx in where:
+        g, w = got[tuple(idx)].item(), want[tuple(idx)].item()
+        line = f"{idx}: got {g} want {w}"
+        if plan is not None and got.dtype == torch.uint8 and got.dim() == 2 and plan.form == "fp8":
+            f8 = lambda v: torch.tensor([v], dtype=torch.uint8).view(torch.float8_e4m3fn).float().item()  # noqa: E731
+            line += f" (e4m3 {f8(g)} vs {f8(w)}; row scale {ref.scale[idx[0]].item()}"
+            if ref.eb.numel():
+                line += f", block eb {ref.eb[idx[0], idx[1] // plan.spec.block[1]].item()}"
+            line += ")"
+        lines.append(line)
+    return "; ".join(lines)
 
 
 @pytest.mark.parametrize("name", GATHERED)
@@ -92,6 +118,12 @@ def test_gathered_shards_give_the_operands_of_the_gathered_weight(name, backend)
     recipe = preset(name).linear
     w = weight()
     (q_fprop, q_dgrad), signs = gather(w, recipe, world=2, backend=backend)  # shards by the kernel or reference
+    if backend == "triton":  # the kernel-made payload is the reference-made one, byte for byte
+        for got, want in zip((q_fprop, q_dgrad), gather(w, recipe, world=2)[0]):
+            for field in ("codes", "scales", "tensor_scale"):
+                a, b = (bits(getattr(q, field)) for q in (got, want))
+                assert (a is None) == (b is None), field
+                assert a is None or (a.shape == b.shape and torch.equal(a, b)), (field, mismatches(a, b, None, None))
     plan = LinearPlan.build(recipe, backend)
     sign_pair = (signs.get("fprop"), signs.get("dgrad"))
     seeds = torch.zeros(2, dtype=torch.int64, device=DEV)
