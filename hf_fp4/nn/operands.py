@@ -19,7 +19,8 @@ A linear layer's three tensors each feed two GEMMs, in two orientations (RESEARC
 `operands(t, plans, seeds, signs, mu)` produces both orientations of t in one call (the Triton kernels
 read t once for the statistics and once for both operands) and `gemm(a, b, form, ...)` multiplies two
 operands.  Both are `torch.library` ops (on CUDA `triton_op`s, whose kernels torch.compile launches from its own
-generated code), so torch.compile traces FP4Linear without graph breaks.
+generated code), so torch.compile traces FP4Linear without graph breaks.  Called eagerly (nothing traces the
+call: hf_fp4.kernels.launch.tracing) they run their implementation directly, without the custom op's dispatch.
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ from typing import Optional
 
 import torch
 
+from ..kernels.launch import tracing
 from ..numerics.hadamard import apply_hadamard
 from ..numerics.operand_plan import (FORMS, KERNEL_FORMS, Operand, OperandPlan, RowGroups,  # noqa: F401
                                      empty_operand, fp8_capable, fp8_dmax, fp8_shift, round_up)
@@ -214,7 +216,7 @@ def operands(t: torch.Tensor, plans: tuple[OperandPlan | None, OperandPlan | Non
     out: list = [None, None]
     if any(quantized):  # `key` (plans_key of the pair) may be precomputed: json does not trace
         traceable = TRITON_OPS and triton_ops and t.is_cuda and all(p is None or p.form in KERNEL_FORMS for p in quantized)
-        op = _operands_cuda_op if traceable else _operands_op
+        op = _operands_impl if not tracing(t) else _operands_cuda_op if traceable else _operands_op
         flat = op(t, mu, seeds, *signs, key or plans_key(quantized), *(groups or ()))
         out = [Operand(*flat[5 * i:5 * i + 5]) if p is not None else None for i, p in enumerate(quantized)]
     if any(p is not None and p.form == "hp" for p in plans):
@@ -249,9 +251,9 @@ def _(a_data, a_scale, a_side, a_eb, a_flags, b_data, b_scale, b_side, b_eb, b_f
 
 
 def gemm(a: Operand, b: Operand, plans: tuple[OperandPlan, OperandPlan], m: int, n: int,
-         out_dtype: torch.dtype, triton_ops: bool = True, direct: bool = False) -> torch.Tensor:
-    """a [M, K] @ b [N, K]^T -> [M, N] in out_dtype, by the form both plans share.  direct: the FP8 GEMM's
-    implementation called as a function, not through its custom op (code that is never compiled)."""
+         out_dtype: torch.dtype, triton_ops: bool = True) -> torch.Tensor:
+    """a [M, K] @ b [N, K]^T -> [M, N] in out_dtype, by the form both plans share (the FP8 GEMM through its custom
+    op while a compiler traces the call, else its implementation called directly)."""
     form = plans[0].form
     if form == "hp":
         return (a.data @ b.data.t().to(a.data.dtype)).to(out_dtype)
@@ -259,8 +261,8 @@ def gemm(a: Operand, b: Operand, plans: tuple[OperandPlan, OperandPlan], m: int,
         return (a.data @ b.data.t()).to(out_dtype)
     if form == "fp8":
         pa, pb = plans
-        op = _fp8_gemm_cuda_op if TRITON_OPS and triton_ops and a.data.is_cuda else _fp8_gemm_op
-        op = _fp8_gemm_kernels if direct else op
+        op = _fp8_gemm_kernels if not tracing(a.data) else (
+            _fp8_gemm_cuda_op if TRITON_OPS and triton_ops and a.data.is_cuda else _fp8_gemm_op)
         return op(*a, *b, m, n, out_dtype, pa.spec.block[1], fp8_shift(pa.spec.grid),
                             pb.spec.block[1], fp8_shift(pb.spec.grid))
     # bf16: exact operands, FP32 accumulation, the two FP32 tensor scales on the output (one fused pass)
@@ -296,7 +298,7 @@ def quantized_matmul(a: torch.Tensor, b: torch.Tensor, spec: QuantSpec, backend:
     else:
         oa = operands(a, (plan, None), seeds, triton_ops=False)[0]
         ob = operands(b, (None, plan), seeds, triton_ops=False)[1]
-    return gemm(oa, ob, (plan, plan), a.shape[0], b.shape[1], out_dtype, triton_ops=False, direct=True)
+    return gemm(oa, ob, (plan, plan), a.shape[0], b.shape[1], out_dtype, triton_ops=False)
 
 
 # ----------------------------------------------------------------------------------------------
