@@ -9,7 +9,8 @@ Every part puts the peers in the same process as hf_fp4: a device copy and torch
 for quantization; bf16 nn.Linear (eager and compiled), torchao float8 tensorwise / rowwise (compiled)
 and a plain NVFP4 fake-quant autograd function under torch.compile ("emulation_compiled") for the
 linear layer and the end-to-end step.  Times are medians of CUDA-event measurements after warm-up,
-rotating among several inputs.  Writes results-<date>.json ({"device", "versions", "command", "linear",
+rotating among several inputs; the linear part times each impl twice, each call waited for and calls back to
+back (timed(stream=True): the host runs ahead, as between the layers of a training step).  Writes results-<date>.json ({"device", "versions", "command", "linear",
 "e2e", "quant"}) and results-<date>.md under --out.
 """
 from __future__ import annotations
@@ -53,28 +54,39 @@ LLAMA_1B = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16, 
 
 # ----------------------------------------------------------------------------------------------
 # Timing
-def timed(fn, inputs, warmup=3, reps=10, graphs=False):
+def timed(fn, inputs, warmup=3, reps=10, graphs=False, stream=False):
     """Median milliseconds of fn(*inputs[i % len(inputs)]) (CUDA events on GPU).  graphs: fn runs
-    torch.compile(mode="reduce-overhead") code, so each call starts a new CUDA-graph step."""
+    torch.compile(mode="reduce-overhead") code, so each call starts a new CUDA-graph step.
+
+    By default the host waits for each call to finish before starting the next, so a call's host-side launch
+    cost shows as GPU idle time at its start.  stream: the calls run back to back, as the layers of a training
+    step do (the host runs ahead of the GPU; one synchronisation after the last): a call's time is then the GPU's
+    time between its events, host cost showing only where the host cannot keep up."""
     cuda = torch.cuda.is_available()
-    times = []
+    times, events = [], []
     for i in range(warmup + reps):
         args = inputs[i % len(inputs)]
         if graphs:
             torch.compiler.cudagraph_mark_step_begin()
         if cuda:
+            if stream and i == warmup:
+                torch.cuda.synchronize()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             fn(*args)
             end.record()
-            end.synchronize()
-            ms = start.elapsed_time(end)
+            if not stream or i < warmup:
+                end.synchronize()
+            if i >= warmup:
+                events.append((start, end))
         else:
             t0 = time.perf_counter()
             fn(*args)
-            ms = (time.perf_counter() - t0) * 1e3
-        if i >= warmup:
-            times.append(ms)
+            if i >= warmup:
+                times.append((time.perf_counter() - t0) * 1e3)
+    if events:
+        torch.cuda.synchronize()
+        times = [start.elapsed_time(end) for start, end in events]
     return statistics.median(times)
 
 
@@ -281,29 +293,35 @@ def spread_rows(t: torch.Tensor, octaves: float = 12.0, run: int = 64) -> torch.
 
 
 def bench_linear(dev, tokens, shapes, results, names, spread=False):
-    table = []
+    table, stream_table = [], []
     make = spread_rows if spread else (lambda t: t)
     for k, n in shapes:
         inputs = [(make(torch.randn(tokens, k, device=dev, dtype=torch.bfloat16)).requires_grad_(),
                    make(torch.randn(tokens, n, device=dev, dtype=torch.bfloat16))) for _ in range(3)]
-        row, base_ms = [f"{k}x{n}"], None
+        row, stream_row, base_ms, base_stream = [f"{k}x{n}"], [f"{k}x{n}"], None, None
         for name, layer in linear_impls(k, n, dev, names):
             def step(x, dy, layer=layer):
                 layer(x).backward(dy)
                 x.grad = None  # gradients are not accumulated (CUDA-graph outputs are reused memory)
                 for p in layer.parameters():
                     p.grad = None
-            ms = timed(step, inputs, warmup=3, reps=20, graphs=name.endswith("graphs"))
-            base_ms = base_ms or ms
+            graphs = name.endswith("graphs")
+            ms = timed(step, inputs, warmup=3, reps=20, graphs=graphs)
+            ms_stream = timed(step, inputs, warmup=3, reps=20, graphs=graphs, stream=True)
+            base_ms, base_stream = base_ms or ms, base_stream or ms_stream
             results["linear"].append({"shape": f"{k}x{n}", "tokens": tokens, "impl": name, "ms": round(ms, 4),
-                                      "inputs": "spread" if spread else "normal"})
+                                      "ms_stream": round(ms_stream, 4), "inputs": "spread" if spread else "normal"})
             row.append(f"{ms:.2f} ({base_ms / ms:.2f}x)")
+            stream_row.append(f"{ms_stream:.2f} ({base_stream / ms_stream:.2f}x)")
             del layer
             torch.cuda.empty_cache() if dev == "cuda" else None
         table.append(row)
+        stream_table.append(stream_row)
     what = ", runs of 64 rows of x and dy spread over 2^-12..2^12 (spread_rows)" if spread else ""
-    return md_table(f"Linear forward + backward, {tokens} tokens{what}, bf16 (ms; speed vs bf16 nn.Linear)",
-                    ["K x N"] + names, table)
+    return (md_table(f"Linear forward + backward, {tokens} tokens{what}, bf16 (ms; speed vs bf16 nn.Linear; "
+                     "each call waited for)", ["K x N"] + names, table)
+            + "\n" + md_table(f"The same, calls back to back (the host runs ahead, as in a training step: "
+                              f"timed(stream=True))", ["K x N"] + names, stream_table))
 
 
 def build_model(name, cfg_kwargs, dev):
@@ -672,12 +690,15 @@ def render(results) -> str:
     for inputs in dict.fromkeys(r.get("inputs", "normal") for r in results["linear"]):
         runs = [r for r in results["linear"] if r.get("inputs", "normal") == inputs]
         impls = list(dict.fromkeys(r["impl"] for r in runs))
-        rows = []
-        for shape in dict.fromkeys(r["shape"] for r in runs):
-            ms = {r["impl"]: r["ms"] for r in runs if r["shape"] == shape}
-            rows.append([shape] + [f"{ms[i]:.2f} ({ms['bf16'] / ms[i]:.2f}x)" if i in ms else "-" for i in impls])
-        text.append(md_table(f"Linear forward + backward, {runs[0]['tokens']} tokens, {inputs} inputs, bf16 "
-                             "(ms; speed vs bf16 nn.Linear)", ["K x N"] + impls, rows))
+        for field, how in (("ms", "each call waited for"), ("ms_stream", "calls back to back")):
+            rows = []
+            for shape in dict.fromkeys(r["shape"] for r in runs):
+                ms = {r["impl"]: r[field] for r in runs if r["shape"] == shape and field in r}
+                rows.append([shape] + [f"{ms[i]:.2f} ({ms['bf16'] / ms[i]:.2f}x)" if i in ms and "bf16" in ms
+                                       else "-" for i in impls])
+            if any(field in r for r in runs):
+                text.append(md_table(f"Linear forward + backward, {runs[0]['tokens']} tokens, {inputs} inputs, bf16 "
+                                     f"(ms; speed vs bf16 nn.Linear; {how})", ["K x N"] + impls, rows))
     for model in dict.fromkeys(r["model"] for r in results["e2e"]):
         runs = [r for r in results["e2e"] if r["model"] == model]
         base = next((r["tokens_per_s"] for r in runs if r["impl"] == "bf16"), runs[0]["tokens_per_s"])
