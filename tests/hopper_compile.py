@@ -1,7 +1,7 @@
 """Compile the Triton kernel variants the GPU runs for Hopper (sm_90) on this machine, with Triton's own compiler
 (PTX and a cubin through the bundled ptxas) -- not its interpreter, so run it without TRITON_INTERPRET:
 
-    python tests/hopper_compile.py        # one line per variant, "ok" or "FAIL ...", then the failure count
+    python tests/hopper_compile.py [SHARD SHARDS]   # one line per variant, "ok" or "FAIL ...", then the failure count
 
 tests/test_kernels_compile.py runs it in a subprocess."""
 import dataclasses
@@ -186,9 +186,12 @@ def cases():
                 yield f"sharq-{name}-{phase}-parts{int(parts)}", sharq._sharq_kernel, types, consts
 
 
-def main() -> int:
+def main(shard: int = 0, shards: int = 1) -> int:
+    """Compile every variant (or every shards-th one from the shard-th: the test runs shards side by side)."""
     failures = 0
-    for label, kernel, types, constexprs, *launch in cases():
+    for i, (label, kernel, types, constexprs, *launch) in enumerate(cases()):
+        if i % shards != shard:
+            continue
         try:
             compiled = compile_for_hopper(kernel, types, constexprs, *launch)
             assert ".target sm_90" in compiled.asm["ptx"]
@@ -204,4 +207,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(*(int(a) for a in sys.argv[1:3])))
