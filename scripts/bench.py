@@ -10,8 +10,8 @@ for quantization; bf16 nn.Linear (eager and compiled), torchao float8 tensorwise
 and a plain NVFP4 fake-quant autograd function under torch.compile ("emulation_compiled") for the
 linear layer and the end-to-end step.  Times are medians of CUDA-event measurements after warm-up,
 rotating among several inputs; the linear part times each impl twice, each call waited for and calls back to
-back (timed(stream=True): the host runs ahead, as between the layers of a training step).  Writes results-<date>.json ({"device", "versions", "command", "linear",
-"e2e", "quant"}) and results-<date>.md under --out.
+back (timed(stream=True): the host runs ahead, as between the layers of a training step).  Writes
+results-<date>.json ({"device", "versions", "command", "linear", "e2e", "quant"}) and results-<date>.md under --out.
 """
 from __future__ import annotations
 
@@ -320,8 +320,8 @@ def bench_linear(dev, tokens, shapes, results, names, spread=False):
     what = ", runs of 64 rows of x and dy spread over 2^-12..2^12 (spread_rows)" if spread else ""
     return (md_table(f"Linear forward + backward, {tokens} tokens{what}, bf16 (ms; speed vs bf16 nn.Linear; "
                      "each call waited for)", ["K x N"] + names, table)
-            + "\n" + md_table(f"The same, calls back to back (the host runs ahead, as in a training step: "
-                              f"timed(stream=True))", ["K x N"] + names, stream_table))
+            + "\n" + md_table("The same, calls back to back (the host runs ahead, as in a training step: "
+                              "timed(stream=True))", ["K x N"] + names, stream_table))
 
 
 def build_model(name, cfg_kwargs, dev):
