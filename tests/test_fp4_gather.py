@@ -76,20 +76,19 @@ def _r(t, o, signs):
     return _rotated(t.t() if o.transposed else t, o, signs.get(o.gemm))
 
 
+def bits(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A one-byte tensor (codes, E8M0 / E4M3 scales) as its bytes, compared bit for bit; other tensors as they are."""
+    return t.view(torch.uint8) if t is not None and t.element_size() == 1 else t
+
+
 def assert_same_operand(got, ref, plan):
     for field, a, b in zip(got._fields, got, ref):
         if field == "side" and ref.eb.numel():  # defined where a block is lost (elsewhere never read)
             lost = (ref.eb != -128).repeat_interleave(plan.spec.block[1], 1)
             a, b = a.view(torch.uint8)[lost], b.view(torch.uint8)[lost]
-        if a.dtype == torch.float8_e4m3fn:
-            a, b = a.view(torch.uint8), b.view(torch.uint8)
+        a, b = bits(a), bits(b)
         assert a.shape == b.shape, (field, plan.form, a.shape, b.shape)
         assert torch.equal(a, b), (field, plan.form, mismatches(a, b, ref, plan))
-
-
-def bits(t: torch.Tensor | None) -> torch.Tensor | None:
-    """A one-byte tensor (codes, E8M0 / E4M3 scales) as its bytes, compared bit for bit; other tensors as they are."""
-    return t.view(torch.uint8) if t is not None and t.element_size() == 1 else t
 
 
 def mismatches(got, want, ref, plan, show=8) -> str:
