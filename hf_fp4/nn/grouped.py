@@ -27,7 +27,7 @@ import torch
 
 from .autograd import ROLES, tensor_operands
 from .grouping import GroupLayout
-from .operands import TRITON_OPS, LinearPlan, Operand, OperandPlan, RowGroups, fp8_shift
+from .operands import LinearPlan, Operand, OperandPlan, RowGroups, custom_call, fp8_shift
 from .recipe import GEMMS
 
 
@@ -95,7 +95,8 @@ def _scales(op, plan: OperandPlan, e: int) -> torch.Tensor:
 
 
 # The grouped GEMMs with per-expert scales as custom ops, registered as FP4Linear's are: opaque (the CPU, Triton's
-# interpreter), and a triton_op on CUDA that torch.compile traces into.
+# interpreter), and a triton_op on CUDA that torch.compile traces into; called eagerly, their implementations run
+# directly (operands.custom_call).
 def _rows_impl(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, n: int, k: int, b_step: int,
                a_scale: torch.Tensor, b_scale: torch.Tensor) -> torch.Tensor:
     from ..kernels.grouped_gemm import grouped_rows
@@ -166,10 +167,6 @@ def _(a_data, a_scale, a_side, a_eb, a_flags, b_data, b_scale, b_side, b_eb, b_f
     return a_data.new_empty(ends.shape[0], m, n, dtype=torch.bfloat16)
 
 
-def _op(opaque, cuda, t: torch.Tensor):
-    return cuda if TRITON_OPS and t.is_cuda else opaque
-
-
 def _blocks(pa: OperandPlan, pb: OperandPlan) -> list[int]:
     """The FP8 GEMMs' (a's block, a's SHIFT, b's block, b's SHIFT)."""
     return [pa.spec.block[1], fp8_shift(pa.spec.grid), pb.spec.block[1], fp8_shift(pb.spec.grid)]
@@ -188,10 +185,12 @@ def _rows_gemm(form: str, a: Operand, b: Operand, pa: OperandPlan, pb: OperandPl
             steps = [n * b.data.stride(0), n * b.eb.stride(0), n, n]
         else:  # W^T: columns e*k.. of data, side and exponents; row scales [E, rows]; flags per row of W^T
             steps = [k, k // pb.spec.block[1], b.data.shape[0], 0]
-        return _op(_rows_fp8_op, _rows_fp8_cuda_op, t)(*a, *b, ends, n, k, steps, _blocks(pa, pb))
+        return custom_call(_rows_fp8_impl, _rows_fp8_op, _rows_fp8_cuda_op, t)(*a, *b, ends, n, k, steps,
+                                                                               _blocks(pa, pb))
     step = n * b.data.stride(0) if weight_rows else k
     if _two_level(plan):
-        return _op(_rows_op, _rows_cuda_op, t)(a.data, b.data, ends, n, k, step, _scales(a, pa, e), _scales(b, pb, e))
+        return custom_call(_rows_impl, _rows_op, _rows_cuda_op, t)(a.data, b.data, ends, n, k, step,
+                                                                    _scales(a, pa, e), _scales(b, pb, e))
     w = (b.data[:e * n, :k].view(e, n, k).transpose(1, 2) if weight_rows
          else b.data[:n, :e * k].view(n, e, k).permute(1, 2, 0))
     return torch._grouped_mm(a.data[:rows, :k], w, offs=ends)
@@ -238,11 +237,11 @@ class GroupedFP4Function(torch.autograd.Function):
             # wgrad: dW_e = Q(dy_e^T) Q(x_e^T)^T per expert    [N,R_e] @ [R_e,K] -> [N,K]
             pa, pb = plan.dy[1], plan.x[1]
             if plan.forms[2] == "fp8":
-                dw = _op(_contraction_fp8_op, _contraction_fp8_cuda_op, dy)(
+                dw = custom_call(_contraction_fp8_impl, _contraction_fp8_op, _contraction_fp8_cuda_op, dy)(
                     *odyt, *oxt, ends, n, k, [odyt.data.shape[0], oxt.data.shape[0]], _blocks(pa, pb))
             elif _two_level(plan):
-                dw = _op(_contraction_op, _contraction_cuda_op, dy)(odyt.data, oxt.data, ends, n, k,
-                                                                    _scales(odyt, pa, e), _scales(oxt, pb, e))
+                dw = custom_call(_contraction_impl, _contraction_op, _contraction_cuda_op, dy)(
+                    odyt.data, oxt.data, ends, n, k, _scales(odyt, pa, e), _scales(oxt, pb, e))
             else:
                 dw = torch._grouped_mm(odyt.data[:n, :rows], oxt.data[:k, :rows].t(), offs=ends)
             dw = dw.to(ctx.w_dtype)

@@ -194,6 +194,15 @@ _operands_op.register_fake(_operands_fake)
 _operands_cuda_op = torch.library.triton_op("hf_fp4::operands_cuda", _operands_kernels, mutates_args=())
 
 
+def custom_call(impl, opaque, cuda, t: torch.Tensor, triton_ops: bool = True):
+    """What to call for a custom op on tensor t: its implementation itself when nothing traces the call (eager: no
+    dispatch), else the triton_op on CUDA (torch.compile traces into it), else the opaque op (the CPU, the
+    reference forms, HF_FP4_TRITON_OPS=0, triton_ops=False)."""
+    if not tracing(t):
+        return impl
+    return cuda if TRITON_OPS and triton_ops and t.is_cuda else opaque
+
+
 def quantized_pair(plans) -> tuple[OperandPlan | None, OperandPlan | None]:
     """The orientations the custom op makes (the unquantized ones are views of the tensor)."""
     return tuple(p if p is not None and p.form != "hp" else None for p in plans)
@@ -215,8 +224,8 @@ def operands(t: torch.Tensor, plans: tuple[OperandPlan | None, OperandPlan | Non
     quantized = quantized_pair(plans)
     out: list = [None, None]
     if any(quantized):  # `key` (plans_key of the pair) may be precomputed: json does not trace
-        traceable = TRITON_OPS and triton_ops and t.is_cuda and all(p is None or p.form in KERNEL_FORMS for p in quantized)
-        op = _operands_impl if not tracing(t) else _operands_cuda_op if traceable else _operands_op
+        kernels_only = all(p is None or p.form in KERNEL_FORMS for p in quantized)
+        op = custom_call(_operands_impl, _operands_op, _operands_cuda_op, t, triton_ops and kernels_only)
         flat = op(t, mu, seeds, *signs, key or plans_key(quantized), *(groups or ()))
         out = [Operand(*flat[5 * i:5 * i + 5]) if p is not None else None for i, p in enumerate(quantized)]
     if any(p is not None and p.form == "hp" for p in plans):
@@ -261,10 +270,9 @@ def gemm(a: Operand, b: Operand, plans: tuple[OperandPlan, OperandPlan], m: int,
         return (a.data @ b.data.t()).to(out_dtype)
     if form == "fp8":
         pa, pb = plans
-        op = _fp8_gemm_kernels if not tracing(a.data) else (
-            _fp8_gemm_cuda_op if TRITON_OPS and triton_ops and a.data.is_cuda else _fp8_gemm_op)
-        return op(*a, *b, m, n, out_dtype, pa.spec.block[1], fp8_shift(pa.spec.grid),
-                            pb.spec.block[1], fp8_shift(pb.spec.grid))
+        op = custom_call(_fp8_gemm_kernels, _fp8_gemm_op, _fp8_gemm_cuda_op, a.data, triton_ops)
+        return op(*a, *b, m, n, out_dtype, pa.spec.block[1], fp8_shift(pa.spec.grid), pb.spec.block[1],
+                  fp8_shift(pb.spec.grid))
     # bf16: exact operands, FP32 accumulation, the two FP32 tensor scales on the output (one fused pass)
     from ..kernels.gemm import scale_output
 
