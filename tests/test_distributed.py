@@ -18,8 +18,9 @@ def run(cfg, path, env, nproc):
     if nproc == 1:
         cmd = [sys.executable, str(ROOT / "scripts" / "pretrain.py"), "--config", str(path)]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-               str(29500 + os.getpid() % 1000), str(ROOT / "scripts" / "pretrain.py"), "--config", str(path)]
+        # --standalone: a free port from the OS (tests run side by side under pytest -n)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--standalone",
+               str(ROOT / "scripts" / "pretrain.py"), "--config", str(path)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return [json.loads(line) for line in (Path(cfg["output_dir"]) / "metrics.jsonl").read_text().splitlines()]
@@ -51,8 +52,8 @@ def test_fsdp2_fully_shard_on_two_cpu_ranks_matches_one_process(tmp_path, recipe
     one = subprocess.run([sys.executable, worker, str(tmp_path / "one.json"), recipe], env=env,
                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert one.returncode == 0, one.stderr[-3000:]
-    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                          str(30500 + os.getpid() % 1000), worker, str(tmp_path / "two.json"), recipe], env=env,
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+                          worker, str(tmp_path / "two.json"), recipe], env=env,
                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
     a, b = (json.loads((tmp_path / f).read_text()) for f in ("one.json", "two.json"))
