@@ -1,7 +1,10 @@
 #!/usr/bin/env python
 """What the operand and stats kernels compile to for Hopper, read on the CPU (no device time): per variant, the
 tile, the TTGIR layout conversions (each a round trip through shared memory), the shared memory, the barriers,
-the registers and stack of the sm_90 cubin, and the width of every global / shared load and store in the PTX.
+the registers and stack of the sm_90 cubin, its SASS instructions per tile element a thread holds (a static count:
+a loop body once, so an upper bound on straight-line kernels' issue work and a lower one where a program walks
+several tiles), its correctly rounded divisions (FCHK: each a ~10-instruction sequence), and the width of every
+global / shared load and store in the PTX.
 
     python scripts/ptx_report.py [--out DIR] [--only SUBSTRING ...]   (without TRITON_INTERPRET)
 
@@ -60,6 +63,17 @@ def resources(cubin: bytes) -> tuple[str, str]:
     return (regs.group(1) if regs else "?"), (stack.group(1) if stack else "?")
 
 
+def sass_mix(cubin: bytes) -> collections.Counter:
+    """Opcode counts of a cubin's SASS (static: a loop body once), from the nvdisasm that Triton bundles."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+        out = subprocess.run([str(tool), "-c", f.name], capture_output=True, text=True).stdout
+    return collections.Counter(m.group(1).split(".")[0] for m in re.finditer(
+        r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", out, re.M))
+
+
 def variants():
     for label, (a, b) in {**OPERAND_CASES, **EXTRA_CASES}.items():
         yield f"operand {label}", K._operand_kernel, *operand_kernel_args(a, b)
@@ -79,8 +93,9 @@ def main():
     parser.add_argument("--only", nargs="*", default=None, help="variants whose label holds one of these")
     args = parser.parse_args()
     print(f"Triton {triton.__version__}, sm_90")
-    print("| variant | tile (rows x cols, warps) | conversions | shared B | barriers | registers | stack | accesses |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| variant | tile (rows x cols, warps) | conversions | shared B | barriers | registers | stack | SASS / element "
+          "| divisions | accesses |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for label, kernel, types, constexprs, warps, divisible in variants():
         if args.only and not any(o in label for o in args.only):
             continue
@@ -92,9 +107,12 @@ def main():
             (Path(args.out) / f"{label.replace(' ', '-')}.ttgir").write_text(ttgir)
         regs, stack = resources(compiled.asm["cubin"])
         rows, cols = (constexprs["BR"], constexprs["BC"]) if "BR" in constexprs else (constexprs["BM"], constexprs["BN"])
+        mix = sass_mix(compiled.asm["cubin"])
+        per_element = sum(mix.values()) / (rows * cols / (warps * 32))  # static count over a tile's elements a thread
         print(f"| {label} | {rows}x{cols}, {warps} | {ttgir.count('ttg.convert_layout')} | "
               f"{compiled.metadata.shared} | {len(re.findall('bar.sync', ptx))} | {regs} | {stack} | "
-              f"{', '.join(f'{k} {v}' for k, v in accesses(ptx).items())} |", flush=True)
+              f"{per_element:.1f} | {mix['FCHK']} | {', '.join(f'{k} {v}' for k, v in accesses(ptx).items())} |",
+              flush=True)
 
 
 if __name__ == "__main__":
