@@ -3,6 +3,7 @@
 
     python scripts/profile_fast_path.py [--n 8192] [--only-operand PRESET]   (the latter: for ncu)
     python scripts/profile_fast_path.py --e2e bf16,mxfp4,nvfp4    (GPU time per kernel of a 1.1B train step)
+    python scripts/profile_fast_path.py --bench-linear bf16,bf16_graphs,hf_fp4:nvfp4:graphs   (bench.py's linear step)
     python scripts/profile_fast_path.py --copies bf16_compiled,mxfp4 [--code-dir DIR]   (inductor's stores)
 
 1. Operand quantization of an n x n bf16 tensor: eager (CUDA events around the Python call, so launch
@@ -95,6 +96,8 @@ def main():
     p.add_argument("--cprofile", action="store_true", help="host-side profile of one operands() call")
     p.add_argument("--e2e", default=None, help="comma list of bench.py impl names or presets")
     p.add_argument("--e2e-model", default="llama-1.1b", choices=("llama-1.1b", "bench-50m"), help="--e2e's model")
+    p.add_argument("--bench-linear", default=None,
+                   help="comma list of bench.py linear impls: both timings and the kernel table of its step, 4096^2")
     p.add_argument("--copies", default=None,
                    help="comma list of impls: inductor's kernels of one compiled 1.1B block's train step, by stores")
     p.add_argument("--code-dir", default=None, help="--copies: write each impl's generated code here")
@@ -136,6 +139,9 @@ def main():
     if args.e2e:
         for name in args.e2e.split(","):
             profile_e2e(name, model_name=args.e2e_model)
+        return
+    if args.bench_linear:
+        profile_bench_linear(dev, args.bench_linear.split(","))
         return
     x = torch.randn(args.n, args.n, device=dev, dtype=torch.bfloat16)
     seeds = torch.tensor([1, 2], device=dev)
@@ -359,6 +365,54 @@ def fp8_accuracy(dev: str) -> None:
         print(f"| {k} | " + " | ".join(cells) + " |", flush=True)
 
 
+def kernel_table(prof, steps: int, title: str, wall_ms: float, rows: int = 18) -> None:
+    """GPU time per kernel and step of a torch.profiler run of `steps` steps, under a heading with the busy fraction
+    (kernel time over the step's wall time)."""
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    gpu_ms = sum(e.self_device_time_total for e in events) / 1e3 / steps
+    print(f"\n## {title}, {gpu_ms:.3f} ms of kernels ({gpu_ms / wall_ms:.0%} busy)")
+    print("| kernel | ms per step | share |")
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:rows]:
+        ms = e.self_device_time_total / 1e3 / steps
+        print(f"| {e.key[:70]} | {ms:.3f} | {ms / gpu_ms:.0%} |")
+
+
+def profile_bench_linear(dev: str, names: list[str], k: int = 4096, n: int = 4096, tokens: int = 8192,
+                         steps: int = 5) -> None:
+    """bench.py's linear step (its layers, compile modes and gradient resets) at one shape: its time with each call
+    waited for and back to back (bench.timed), then torch.profiler's GPU time per kernel and step -- where a row
+    loses against the sum of its kernels (a CUDA-graph tree's input copies, host time, an accumulation)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench import linear_impls, timed
+
+    inputs = [(torch.randn(tokens, k, device=dev, dtype=torch.bfloat16).requires_grad_(),
+               torch.randn(tokens, n, device=dev, dtype=torch.bfloat16)) for _ in range(3)]
+    for name, layer in linear_impls(k, n, dev, names):
+        def step(x, dy, layer=layer):  # (bench.bench_linear's step)
+            layer(x).backward(dy)
+            x.grad = None
+            for p in layer.parameters():
+                p.grad = None
+
+        graphs = name.endswith("graphs")
+        waited = timed(step, inputs, warmup=3, reps=20, graphs=graphs)
+        stream = timed(step, inputs, warmup=3, reps=20, graphs=graphs, stream=True)
+        activity = torch.profiler.ProfilerActivity.CUDA if dev == "cuda" else torch.profiler.ProfilerActivity.CPU
+        with torch.profiler.profile(activities=[activity]) as prof:
+            for i in range(steps):
+                if graphs:
+                    torch.compiler.cudagraph_mark_step_begin()
+                step(*inputs[i % len(inputs)])
+            torch.cuda.synchronize() if dev == "cuda" else None
+        kernel_table(prof, steps, f"{name} {k}x{n}, {tokens} tokens: {waited:.3f} ms waited, {stream:.3f} ms back "
+                     "to back", waited, rows=14)
+        del layer
+        torch.cuda.empty_cache() if dev == "cuda" else None
+
+
 def profile_e2e(name: str, steps: int = 3, model_name: str = "llama-1.1b") -> None:
     import sys
     from pathlib import Path
@@ -386,13 +440,7 @@ def profile_e2e(name: str, steps: int = 3, model_name: str = "llama-1.1b") -> No
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
-    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
-    gpu_ms = sum(e.self_device_time_total for e in events) / 1e3 / steps
-    print(f"\n## {impl} ({model_name}): step {wall:.1f} ms wall, {gpu_ms:.1f} ms of kernels ({gpu_ms / wall:.0%} busy)")
-    print("| kernel | ms per step | share |")
-    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:18]:
-        ms = e.self_device_time_total / 1e3 / steps
-        print(f"| {e.key[:70]} | {ms:.2f} | {ms / gpu_ms:.0%} |")
+    kernel_table(prof, steps, f"{impl} ({model_name}): step {wall:.1f} ms wall", wall)
     del model, opt
     torch.cuda.empty_cache()
 
