@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import json
 import os
 import platform
@@ -292,6 +293,22 @@ def spread_rows(t: torch.Tensor, octaves: float = 12.0, run: int = 64) -> torch.
     return (t.float() * torch.exp2(u).repeat_interleave(run, 0)[:t.shape[0]]).to(t.dtype)
 
 
+def linear_step(layer, x, dy):
+    """One forward + backward of a linear impl as the linear part times it: gradients are not accumulated (CUDA-graph
+    outputs are reused memory)."""
+    layer(x).backward(dy)
+    x.grad = None
+    for p in layer.parameters():
+        p.grad = None
+
+
+def linear_times(layer, name, inputs) -> tuple[float, float]:
+    """(ms with each call waited for, ms back to back) of linear_step over the rotating inputs."""
+    step, graphs = functools.partial(linear_step, layer), name.endswith("graphs")
+    return (timed(step, inputs, warmup=3, reps=20, graphs=graphs),
+            timed(step, inputs, warmup=3, reps=20, graphs=graphs, stream=True))
+
+
 def bench_linear(dev, tokens, shapes, results, names, spread=False):
     table, stream_table = [], []
     make = spread_rows if spread else (lambda t: t)
@@ -300,14 +317,7 @@ def bench_linear(dev, tokens, shapes, results, names, spread=False):
                    make(torch.randn(tokens, n, device=dev, dtype=torch.bfloat16))) for _ in range(3)]
         row, stream_row, base_ms, base_stream = [f"{k}x{n}"], [f"{k}x{n}"], None, None
         for name, layer in linear_impls(k, n, dev, names):
-            def step(x, dy, layer=layer):
-                layer(x).backward(dy)
-                x.grad = None  # gradients are not accumulated (CUDA-graph outputs are reused memory)
-                for p in layer.parameters():
-                    p.grad = None
-            graphs = name.endswith("graphs")
-            ms = timed(step, inputs, warmup=3, reps=20, graphs=graphs)
-            ms_stream = timed(step, inputs, warmup=3, reps=20, graphs=graphs, stream=True)
+            ms, ms_stream = linear_times(layer, name, inputs)
             base_ms, base_stream = base_ms or ms, base_stream or ms_stream
             results["linear"].append({"shape": f"{k}x{n}", "tokens": tokens, "impl": name, "ms": round(ms, 4),
                                       "ms_stream": round(ms_stream, 4), "inputs": "spread" if spread else "normal"})

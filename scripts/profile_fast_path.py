@@ -386,26 +386,19 @@ def profile_bench_linear(dev: str, names: list[str], k: int = 4096, n: int = 409
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from bench import linear_impls, timed
+    from bench import linear_impls, linear_step, linear_times
 
     inputs = [(torch.randn(tokens, k, device=dev, dtype=torch.bfloat16).requires_grad_(),
                torch.randn(tokens, n, device=dev, dtype=torch.bfloat16)) for _ in range(3)]
     for name, layer in linear_impls(k, n, dev, names):
-        def step(x, dy, layer=layer):  # (bench.bench_linear's step)
-            layer(x).backward(dy)
-            x.grad = None
-            for p in layer.parameters():
-                p.grad = None
-
+        waited, stream = linear_times(layer, name, inputs)
         graphs = name.endswith("graphs")
-        waited = timed(step, inputs, warmup=3, reps=20, graphs=graphs)
-        stream = timed(step, inputs, warmup=3, reps=20, graphs=graphs, stream=True)
         activity = torch.profiler.ProfilerActivity.CUDA if dev == "cuda" else torch.profiler.ProfilerActivity.CPU
         with torch.profiler.profile(activities=[activity]) as prof:
             for i in range(steps):
                 if graphs:
                     torch.compiler.cudagraph_mark_step_begin()
-                step(*inputs[i % len(inputs)])
+                linear_step(layer, *inputs[i % len(inputs)])
             torch.cuda.synchronize() if dev == "cuda" else None
         kernel_table(prof, steps, f"{name} {k}x{n}, {tokens} tokens: {waited:.3f} ms waited, {stream:.3f} ms back "
                      "to back", waited, rows=14)
