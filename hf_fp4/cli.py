@@ -58,6 +58,8 @@ def study(argv=None) -> int:
     parser.add_argument("--parallel", type=int, default=1, help="runs at once (several may share a GPU)")
     parser.add_argument("--gpus", default=None, help="comma list of GPU ids; run k uses gpus[k %% len]")
     parser.add_argument("--summary-only", action="store_true", help="only rebuild results.json / table.md / plots")
+    parser.add_argument("--only", default=None,
+                        help="comma list of run labels or <label>-s<seed> names: run these alone (the rest wait)")
     args = parser.parse_args(argv)
     out = args.out
     if out is None:
@@ -65,10 +67,11 @@ def study(argv=None) -> int:
         out = f"benchmarks/study-{name}"
     try:
         spec = load_study(args.study, out)
+        codes = {} if args.summary_only else run_study(spec, out, args.parallel,
+                                                        args.gpus.split(",") if args.gpus else None,
+                                                        only=args.only.split(",") if args.only else None)
     except (ValueError, FileNotFoundError) as err:
         parser.exit(2, f"error: {err}\n")
-    codes = {} if args.summary_only else run_study(spec, out, args.parallel,
-                                                    args.gpus.split(",") if args.gpus else None)
     summarize(spec, out)
     print((Path(out) / "table.md").read_text())
     failed = [name for name, code in codes.items() if code != 0]

@@ -8,7 +8,7 @@
 #   mkdir -p .carry && tar cJf .carry/hf_fp4-cache.tar.xz -C ~/.cache/hf_fp4 corpus archives
 #   .venv/bin/pip wheel -q --no-deps -w .carry .
 # Device, carry [".carry"]:
-#   STUDY=configs/study/fp4-recipes-large.yaml WAIT=500 bash scripts/device_study.sh start   [PARALLEL=n]
+#   STUDY=configs/study/fp4-recipes-large.yaml WAIT=500 bash scripts/device_study.sh start   [PARALLEL=n] [ONLY=label,...]
 #   (PARALLEL defaults to 1: on 2026-12-01 three runs sharing the H200 by time-slicing (one of them an MX run in
 #   its since-fixed slow correction) trained bf16 at 239k and
 #   nvfp4 at 150k tokens/s each -- bf16 alone benchmarks at ~812k: together they were slower than in turn)
@@ -50,7 +50,7 @@ if [ "$what" = start ]; then
   [ -d "benchmarks/study-$name" ] && cp -r "benchmarks/study-$name/." "$ROOT/study/"
   echo "$name" > "$ROOT/name"
   date -u +"%F %T start" > "$ROOT/study.log"
-  (cd "$ROOT" && setsid nohup python3 -P -m hf_fp4 study "$STUDY" --out "$ROOT/study" --parallel "${PARALLEL:-1}" \
+  (cd "$ROOT" && setsid nohup python3 -P -m hf_fp4 study "$STUDY" --out "$ROOT/study" --parallel "${PARALLEL:-1}" ${ONLY:+--only "$ONLY"} \
      >> "$ROOT/study.log" 2>&1 < /dev/null &)
 fi
 deadline=$((SECONDS + ${WAIT:-540}))

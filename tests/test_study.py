@@ -137,3 +137,16 @@ def test_every_shipped_config_validates(path, tmp_path):
         assert load_study(path, tmp_path).runs
     else:
         assert load_config(path).max_steps > 0
+
+
+def test_only_runs_the_named_labels_and_runs(corpus_files, tmp_path, capsys):
+    runs = [{"recipe": "bf16", "seeds": [0, 1]}, {"recipe": "nvfp4"}, {"label": "u", "recipe": "ufp4"}]
+    out = tmp_path / "out"
+    study = load_study(write_study(tmp_path, corpus_files, runs), out)
+    # `true` stands in for the pretrain command: which runs start is the point, not what they train
+    codes = run_study(study, out, parallel=2, launcher=["true"], poll_s=0.05, only=["u", "bf16-s1"])
+    assert codes == {"u-s0": 0, "bf16-s1": 0}
+    started = sorted(line.split()[-1] for line in capsys.readouterr().out.splitlines() if "starting" in line)
+    assert started == ["bf16-s1", "u-s0"]
+    with pytest.raises(ValueError, match="unknown run label.*nvfp4-s3.*valid: bf16, nvfp4, u"):
+        run_study(study, out, launcher=["true"], only=["nvfp4-s3"])

@@ -138,15 +138,24 @@ def run_state(run_dir: Path, max_steps: int) -> str:
 
 
 def run_study(study: Study, out: str | Path, parallel: int = 1, gpus: list[str] | None = None,
-              launcher: list[str] | None = None, poll_s: float = 0.5) -> dict[str, int]:
+              launcher: list[str] | None = None, poll_s: float = 0.5,
+              only: list[str] | None = None) -> dict[str, int]:
     """Run every unfinished run (`parallel` at a time; run k gets GPU gpus[k % len(gpus)] when given) and
     return their exit codes (0 for the ones already done).  A failed run does not stop the others.  Every
-    label's first seed goes before any second one, so a study stopped half-way has covered the most labels."""
+    label's first seed goes before any second one, so a study stopped half-way has covered the most labels.
+    only: these labels or run names (<label>-s<seed>) alone, e.g. the runs that fit a machine's remaining time."""
     out = Path(out)
+    if only:
+        known = {r.label for r in study.runs} | {r.name for r in study.runs}
+        if unknown := [o for o in only if o not in known]:
+            raise ValueError(f"unknown run label(s) {', '.join(unknown)}; valid: "
+                             f"{', '.join(dict.fromkeys(r.label for r in study.runs))} (or <label>-s<seed>)")
     (out / "configs").mkdir(parents=True, exist_ok=True)
     (out / "logs").mkdir(parents=True, exist_ok=True)
     codes, queue, active = {}, [], {}
     for run in study.runs:
+        if only and run.label not in only and run.name not in only:
+            continue
         state = run_state(Path(run.config["output_dir"]), run.config.get("max_steps", TrainConfig.max_steps))
         if state == "done":
             codes[run.name] = 0
