@@ -472,7 +472,9 @@ def bench_moe(dev, quick, results, presets):
         torch.manual_seed(0)
         holder = nn.Module()
         holder.config = cfg
-        holder.experts = Qwen3MoeExperts(cfg).to(dev)
+        # BF16 parameters in every row, as the linear part's nn.Linear: Transformers' grouped_mm is not autocast-aware
+        # and runs in its weights' dtype, so FP32 parameters made the bf16 rows FP32 GEMMs (session 19: 105 ms)
+        holder.experts = Qwen3MoeExperts(cfg).to(dev, torch.bfloat16 if dev == "cuda" else torch.float32)
         nn.init.normal_(holder.experts.gate_up_proj, std=0.02)
         nn.init.normal_(holder.experts.down_proj, std=0.02)
         if name.startswith("hf_fp4:"):

@@ -36,6 +36,8 @@ if [ "$what" = unpack ]; then
     tr '\r' '\n' < "$log" | awk '/^train: /{last=$0; if (++i % 250 == 0) print; next} {print} END{print last}' \
       > "$dest/logs/$(basename "$log")"
   done
+  # the study process's own log (which runs started and finished), beside study.tgz in the call's files
+  [ -f "$(dirname "$tgz")/study.log" ] && cp "$(dirname "$tgz")/study.log" "$dest/logs/study-$(date -u +%F).log"
   rm -rf "$tmp"
   exec python -m hf_fp4 study "$study" --summary-only
 fi
@@ -47,7 +49,9 @@ if [ "$what" = start ]; then
   tar xJf .carry/hf_fp4-cache.tar.xz -C "$HF_FP4_CACHE"
   python3 -m pip install -q --no-index --no-deps --target "$ROOT/site" .carry/hf_fp4-*.whl
   cp -r configs "$ROOT/"
-  [ -d "benchmarks/study-$name" ] && cp -r "benchmarks/study-$name/." "$ROOT/study/"
+  # the finished runs (skipped there), not the logs: the logs that come back are this machine's alone, so that
+  # unpack never filters a committed log twice (session 19 lost the progress lines of four that way)
+  [ -d "benchmarks/study-$name/runs" ] && mkdir -p "$ROOT/study" && cp -r "benchmarks/study-$name/runs" "$ROOT/study/"
   echo "$name" > "$ROOT/name"
   date -u +"%F %T start" > "$ROOT/study.log"
   (cd "$ROOT" && setsid nohup python3 -P -m hf_fp4 study "$STUDY" --out "$ROOT/study" --parallel "${PARALLEL:-1}" ${ONLY:+--only "$ONLY"} \
