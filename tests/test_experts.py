@@ -147,6 +147,41 @@ def test_unquantized_experts_equal_transformers_forward(arch):
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_unquantized_experts_compute_in_the_autocast_dtype(arch):
+    """Transformers' grouped_mm experts cast the tokens to the weights' dtype, so FP32 master weights under BF16
+    autocast made FP32 expert GEMMs; a model hf_fp4 prepares without FP4 experts computes them as Transformers'
+    eager experts (F.linear, which autocast casts) do, and outside autocast as grouped_mm itself."""
+    model = moe_model(arch, "bf16")
+    assert model.config._experts_implementation == "grouped_mm+autocast"
+    module = next(iter(experts_modules(model).values()))
+    for p in module.parameters():
+        nn.init.normal_(p, std=0.2)
+    x = torch.randn(32, 64, requires_grad=True)
+    index, weights = routing(32, 4, 2, seed=5)
+
+    def run(impl, autocast=True):
+        model.config._experts_implementation = impl
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            y = module(x, index, weights)
+        return y, torch.autograd.grad(y.float().square().sum(), (x, module.down_proj))
+
+    (y, (gx, gw)), (y_eager, (gx_eager, gw_eager)) = run("grouped_mm+autocast"), run("eager")
+    y_fp32 = run("grouped_mm")[0]
+    assert gw.dtype == torch.float32 and gx.dtype == torch.float32  # the FP32 parameters and inputs get them
+    # BF16 GEMMs as in the eager loop: the FP32 ones differ by BF16 rounding, far more than the two BF16 paths
+    fp32_gap = (y_fp32.float() - y_eager.float()).abs().max()
+    assert fp32_gap > 1e-3
+    assert (y.float() - y_eager.float()).abs().max() <= fp32_gap / 10
+    assert (gw - gw_eager).abs().max() <= 0.05 * gw_eager.abs().max()
+    assert (gx - gx_eager).abs().max() <= 0.05 * gx_eager.abs().max()
+    assert torch.equal(run("grouped_mm+autocast", autocast=False)[0], run("grouped_mm", autocast=False)[0])
+    model.config._experts_implementation = "grouped_mm+autocast"  # the view traces without a graph break
+    compiled = torch.compile(module, fullgraph=True, backend="aot_eager")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(compiled(x, index, weights), y)
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
 def test_a_moe_model_trains_saves_and_reloads_with_identical_logits(tmp_path, arch):
     """from_config -> a few steps -> save_pretrained -> from_pretrained (after import hf_fp4): the experts run
     FP4 again and give the same logits; the router stays high precision; the RNG state covers the experts."""

@@ -30,6 +30,7 @@ import torch
 from . import linear as _linear
 from . import lora_svd
 from .autograd import FP4LinearFunction, output_dtype
+from .experts_autocast import autocast_experts
 from .grouped import grouped_projection, grouped_reason, segment_align
 from .grouping import group_layout
 from .linear import (FP4Linear, _crc, _notify, _shared_tensor, hadamard_signs, recomputing, seed_bases,
@@ -281,10 +282,13 @@ def check_experts(name: str, module: torch.nn.Module, recipe: LinearRecipe) -> N
 
 def convert_experts(model: torch.nn.Module, recipe: Recipe, num_blocks: int | None) -> int:
     """Give every experts module the recipe's rules select an ExpertsFP4 state and switch the model's
-    experts implementation to "hf_fp4"; returns how many were converted."""
+    experts implementation to "hf_fp4"; returns how many were converted.  A recipe that quantizes no experts
+    leaves Transformers' implementation, in its autocast-aware form (hf_fp4.nn.experts_autocast: its grouped_mm
+    would run FP32 GEMMs under BF16 autocast)."""
     modules = experts_modules(model)
     recipes = {name: recipe.recipe_for(name, num_blocks) for name in modules}
     if not any(r is not None and r.quantized for r in recipes.values()):
+        autocast_experts(model)
         return 0
     for name, module in modules.items():
         if recipes[name] is not None:
