@@ -288,7 +288,8 @@ def convert_experts(model: torch.nn.Module, recipe: Recipe, num_blocks: int | No
     modules = experts_modules(model)
     recipes = {name: recipe.recipe_for(name, num_blocks) for name in modules}
     if not any(r is not None and r.quantized for r in recipes.values()):
-        autocast_experts(model)
+        if modules:
+            autocast_experts(model)
         return 0
     for name, module in modules.items():
         if recipes[name] is not None:

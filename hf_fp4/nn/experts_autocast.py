@@ -44,15 +44,14 @@ def _autocast_forward(base):
 
 
 def autocast_experts(model: torch.nn.Module) -> str | None:
-    """Switch a MoE model whose experts implementation ignores autocast to its `+autocast` form; returns the new
-    implementation's name, or None (no experts modules, or an implementation that follows autocast already)."""
+    """Switch a MoE model (one with experts modules: hf_fp4.nn.experts.experts_modules) whose experts implementation
+    ignores autocast to its `+autocast` form; returns the new implementation's name, or None (an implementation
+    that follows autocast already)."""
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface
-
-    from .experts import experts_modules
 
     config = getattr(model, "config", None)
     impl = getattr(config, "_experts_implementation", None)
-    if not experts_modules(model) or impl is None or impl in AWARE or impl.endswith(SUFFIX):
+    if impl is None or impl in AWARE or impl.endswith(SUFFIX):
         return None
     if impl not in ALL_EXPERTS_FUNCTIONS:
         raise ValueError(f"experts implementation {impl!r} is not registered in Transformers' ExpertsInterface; "
