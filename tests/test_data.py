@@ -24,6 +24,12 @@ def test_prepare_data_tokenises_once_into_shards(corpus_files, tmp_path):
     train = prepared.shard("train")
     assert train.dtype == np.uint16 and len(train) == prepared.train_tokens
     assert (train == prepared.tokenizer.eos_token_id).sum() == meta["train_documents"]
+    # the shard is every training document's ids, as the tokenizer's own call encodes it, each followed by EOS
+    # (prepare_data encodes through the backend's offsets-free batch encoder)
+    train_docs, _ = data.split_documents(data.iter_documents(source), 0.1)
+    tok = prepared.tokenizer
+    expected = [i for _, t in train_docs for i in tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]]
+    assert np.array_equal(train, np.asarray(expected, dtype=np.uint16))
     text = prepared.tokenizer.decode(train[:50].tolist())
     assert "the" in text.lower() or "of" in text.lower()
     mtime = (prepared.root / "train.bin").stat().st_mtime_ns

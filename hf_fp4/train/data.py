@@ -253,12 +253,22 @@ def tokenizer_sample(docs: list[tuple[str, str]], chars: int = TOKENIZER_SAMPLE_
             < keep * 2 ** 32]
 
 
+def _encode_batch(tokenizer, texts: list[str]) -> list[list[int]]:
+    """Token ids of each text (no special tokens).  A fast tokenizer's backend encodes the batch in parallel without
+    character offsets (`encode_batch_fast`, tokenizers >= 0.20): the same ids, 2.2x faster on the large corpus
+    (137M characters: 64.8 -> 29.6 s on 2 cores), which is most of `prepare_data("builtin-large")`'s time."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if hasattr(backend, "encode_batch_fast"):
+        return [e.ids for e in backend.encode_batch_fast(texts, add_special_tokens=False)]
+    return tokenizer(texts, add_special_tokens=False)["input_ids"]
+
+
 def _write_shard(path: Path, docs: list[tuple[str, str]], tokenizer, dtype) -> int:
     n = 0
     with atomic_file(path) as tmp, open(tmp, "wb") as f:
-        for i in range(0, len(docs), 512):  # a fast tokenizer encodes a batch in parallel
+        for i in range(0, len(docs), 512):
             batch = [text for _, text in docs[i:i + 512]]
-            for ids in tokenizer(batch, add_special_tokens=False)["input_ids"]:
+            for ids in _encode_batch(tokenizer, batch):
                 arr = np.asarray(ids + [tokenizer.eos_token_id], dtype=dtype)
                 f.write(arr.tobytes())
                 n += arr.size
