@@ -13,6 +13,10 @@
 #   its since-fixed slow correction) trained bf16 at 239k and
 #   nvfp4 at 150k tokens/s each -- bf16 alone benchmarks at ~812k: together they were slower than in turn)
 #   WAIT=580 bash scripts/device_study.sh watch          (next calls, each within the machine's idle window)
+#   After a benchmark in the same call (session 19: gpu_check.sh bench, then start with WAIT=$((585-SECONDS))),
+#   carry [".whl", ".carry"] with .whl holding only torchao's and hf_fp4's wheels: the full .whl (23 MB) and
+#   .carry (55 MB) exceed the 64 MiB a call carries.  Alone on the GPU each run of fp4-recipes-large trains at
+#   430-465k tokens/s (~5 minutes), after ~2 minutes of corpus preparation per machine.
 # Back here (the venv's python on PATH): bash scripts/device_study.sh unpack <files_at>/study.tgz configs/study/<name>.yaml
 #   (finished runs -> benchmarks/study-<name>/runs/, unfinished ones -> interrupted/, logs without progress bars,
 #    then table.md, results.json and the plots)
