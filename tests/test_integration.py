@@ -146,6 +146,31 @@ def test_hf_trainer_accepts_and_trains_the_model(tmp_path):
     assert not torch.equal(before, model.model.layers[0].mlp.up_proj.weight)
 
 
+def test_hf_trainer_with_torch_compile_gives_the_eager_losses(tmp_path):
+    """TrainingArguments(torch_compile=True) compiles the converted model whole (FP4Linear traces without a graph
+    break): the losses of the eager run, bit for bit (aot_eager on the CPU)."""
+    from datasets import Dataset
+    from transformers import Trainer, TrainingArguments
+    ids = torch.randint(0, VOCAB, (16, 16), generator=torch.Generator().manual_seed(0)).tolist()
+    data = Dataset.from_dict({"input_ids": ids, "labels": ids})
+
+    def losses(**compile_args):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(tiny_config(), quantization_config=FP4TrainConfig("nvfp4"))
+        args = TrainingArguments(output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=4, report_to=[],
+                                 use_cpu=True, save_strategy="no", logging_steps=1, seed=0, **compile_args)
+        trainer = Trainer(model=model, args=args, train_dataset=data)
+        trainer.train()
+        return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+    eager = losses()
+    assert len(eager) == 4 and eager[0] != eager[-1]
+    torch._dynamo.utils.counters.clear()
+    assert losses(torch_compile=True, torch_compile_backend="aot_eager") == eager
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0  # it did compile
+
+
 def test_recipe_round_trips_through_dict_and_yaml():
     import yaml
     for name in hf_fp4.PRESET_NAMES:
