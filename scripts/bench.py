@@ -23,6 +23,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -302,36 +303,78 @@ def linear_step(layer, x, dy):
         p.grad = None
 
 
-def linear_times(layer, name, inputs) -> tuple[float, float]:
-    """(ms with each call waited for, ms back to back) of linear_step over the rotating inputs."""
+class ClockLog:
+    """The GPU's median SM clock (MHz) and power draw (W) while a block runs, polled by nvidia-smi every 20 ms in
+    the background; None for both without nvidia-smi (the CPU).  Session 19's bf16 layer took 5-9% longer back to
+    back than waited at the large shapes, clocks unknown: the linear part now records them beside each timing."""
+
+    def __enter__(self):
+        self.sm_mhz = self.watts = None
+        device = torch.cuda.current_device() if torch.cuda.is_available() else 0
+        try:
+            self.proc = subprocess.Popen(["nvidia-smi", f"--id={device}", "--query-gpu=clocks.sm,power.draw",
+                                          "--format=csv,noheader,nounits", "-lms", "20"],
+                                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        except OSError:
+            self.proc = None
+        return self
+
+    def __exit__(self, *exc):
+        if self.proc is None:
+            return
+        self.proc.terminate()
+        samples = []
+        for line in self.proc.communicate()[0].splitlines():
+            try:
+                samples.append(tuple(float(v) for v in line.split(",")[:2]))
+            except ValueError:  # "[N/A]" or a line cut by the termination
+                continue
+        if samples:
+            self.sm_mhz = statistics.median(s[0] for s in samples)
+            self.watts = statistics.median(s[1] for s in samples)
+
+
+def linear_times(layer, name, inputs) -> tuple[float, float, dict]:
+    """(ms with each call waited for, ms back to back, the GPU's median SM clock and power during each) of
+    linear_step over the rotating inputs."""
     step, graphs = functools.partial(linear_step, layer), name.endswith("graphs")
-    return (timed(step, inputs, warmup=3, reps=20, graphs=graphs),
-            timed(step, inputs, warmup=3, reps=20, graphs=graphs, stream=True))
+    with ClockLog() as waited_clock:
+        waited = timed(step, inputs, warmup=3, reps=20, graphs=graphs)
+    with ClockLog() as stream_clock:
+        stream = timed(step, inputs, warmup=3, reps=20, graphs=graphs, stream=True)
+    return waited, stream, {"sm_mhz": waited_clock.sm_mhz, "watts": waited_clock.watts,
+                            "sm_mhz_stream": stream_clock.sm_mhz, "watts_stream": stream_clock.watts}
 
 
 def bench_linear(dev, tokens, shapes, results, names, spread=False):
-    table, stream_table = [], []
+    table, stream_table, clock_table = [], [], []
     make = spread_rows if spread else (lambda t: t)
     for k, n in shapes:
         inputs = [(make(torch.randn(tokens, k, device=dev, dtype=torch.bfloat16)).requires_grad_(),
                    make(torch.randn(tokens, n, device=dev, dtype=torch.bfloat16))) for _ in range(3)]
-        row, stream_row, base_ms, base_stream = [f"{k}x{n}"], [f"{k}x{n}"], None, None
+        row, stream_row, clock_row, base_ms, base_stream = [f"{k}x{n}"], [f"{k}x{n}"], [f"{k}x{n}"], None, None
         for name, layer in linear_impls(k, n, dev, names):
-            ms, ms_stream = linear_times(layer, name, inputs)
+            ms, ms_stream, clocks = linear_times(layer, name, inputs)
             base_ms, base_stream = base_ms or ms, base_stream or ms_stream
             results["linear"].append({"shape": f"{k}x{n}", "tokens": tokens, "impl": name, "ms": round(ms, 4),
-                                      "ms_stream": round(ms_stream, 4), "inputs": "spread" if spread else "normal"})
+                                      "ms_stream": round(ms_stream, 4), "inputs": "spread" if spread else "normal",
+                                      **clocks})
             row.append(f"{ms:.2f} ({base_ms / ms:.2f}x)")
             stream_row.append(f"{ms_stream:.2f} ({base_stream / ms_stream:.2f}x)")
+            clock_row.append(" / ".join("-" if clocks[key] is None else f"{clocks[key]:.0f}"
+                                        for key in ("sm_mhz", "sm_mhz_stream")))
             del layer
             torch.cuda.empty_cache() if dev == "cuda" else None
         table.append(row)
         stream_table.append(stream_row)
+        clock_table.append(clock_row)
     what = ", runs of 64 rows of x and dy spread over 2^-12..2^12 (spread_rows)" if spread else ""
     return (md_table(f"Linear forward + backward, {tokens} tokens{what}, bf16 (ms; speed vs bf16 nn.Linear; "
                      "each call waited for)", ["K x N"] + names, table)
             + "\n" + md_table("The same, calls back to back (the host runs ahead, as in a training step: "
-                              "timed(stream=True))", ["K x N"] + names, stream_table))
+                              "timed(stream=True))", ["K x N"] + names, stream_table)
+            + "\n" + md_table("The GPU's median SM clock during each timing, MHz (waited / back to back; nvidia-smi "
+                              "every 20 ms)", ["K x N"] + names, clock_table))
 
 
 def build_model(name, cfg_kwargs, dev):
