@@ -613,3 +613,37 @@ def test_a_moe_model_trains_and_resumes_exactly(corpus_files, tmp_path):
     trainer.train(TrainConfig.from_dict(tiny_cfg(corpus_files, tmp_path / "split", **kw)), resume=True)
     whole = [r["loss"] for r in records(tmp_path / "whole") if "loss" in r]
     assert len(whole) == 6 and whole == [r["loss"] for r in records(tmp_path / "split") if "loss" in r]
+
+
+def test_the_trainer_compiles_its_model_itself_whatever_accelerate_is_configured_with(corpus_files, tmp_path,
+                                                                                      monkeypatch, capsys):
+    """An `accelerate config` dynamo backend (ACCELERATE_DYNAMO_BACKEND) would make Accelerate compile the whole model
+    in prepare, over the trainer's own compilation: it is overridden and said.  Accelerate keeps one state per
+    process, so a process whose state already holds a dynamo backend (an HF Trainer with torch_compile earlier)
+    is refused before any step."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    try:
+        AcceleratorState._reset_state()
+        monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "aot_eager")
+        seen = {}
+        real = trainer.compute_loss
+
+        def spy(model, tokens):
+            seen["names"] = [n for n, _ in model.named_modules()]
+            return real(model, tokens)
+
+        monkeypatch.setattr(trainer, "compute_loss", spy)
+        trainer.train(TrainConfig.from_dict(tiny_cfg(corpus_files, tmp_path / "a", max_steps=2, eval_every=100)))
+        assert "ACCELERATE_DYNAMO_BACKEND=aot_eager is not used" in capsys.readouterr().out
+        assert not any(n.startswith("_orig_mod") for n in seen["names"])  # not wrapped by torch.compile
+        assert len(records(tmp_path / "a")) == 2
+
+        AcceleratorState._reset_state()
+        Accelerator(dynamo_backend="aot_eager")  # this process's state, as an HF Trainer with torch_compile leaves it
+        with pytest.raises(RuntimeError, match="dynamo backend aot_eager.*fresh process"):
+            trainer.train(TrainConfig.from_dict(tiny_cfg(corpus_files, tmp_path / "b", max_steps=2)))
+        assert not (tmp_path / "b" / "metrics.jsonl").exists()
+    finally:
+        AcceleratorState._reset_state()

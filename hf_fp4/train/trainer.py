@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import shutil
 import sys
 import time
@@ -101,6 +102,25 @@ def build_model(cfg: TrainConfig, vocab_size: int):
     qc = FP4TrainConfig(cfg.recipe, seed=cfg.seed, **cfg.recipe_options)
     torch.manual_seed(cfg.seed)
     return AutoModelForCausalLM.from_config(hf_config, quantization_config=qc)
+
+
+def check_accelerate_dynamo(accelerator) -> None:
+    """The trainer compiles its model itself; Accelerate must not compile it again in `prepare`.  Its dynamo setting
+    from the environment is overridden (and said); a process whose Accelerate state was set up earlier with a
+    dynamo backend (Accelerate keeps one state per process: an HF Trainer run with torch_compile before this one)
+    cannot be, and is refused before training."""
+    from accelerate.utils import DynamoBackend
+
+    env = os.environ.get("ACCELERATE_DYNAMO_BACKEND", "no")
+    if env.lower() != "no" and accelerator.is_main_process:
+        print(f"hf_fp4: ACCELERATE_DYNAMO_BACKEND={env} is not used: the training config's compile, compile_mode "
+              "and compile_backend decide how the model is compiled")
+    backend = accelerator.state.dynamo_plugin.backend
+    if backend != DynamoBackend.NO:
+        raise RuntimeError(f"this process's Accelerate state was set up earlier with dynamo backend "
+                           f"{backend.value.lower()} (an Accelerator or an HF Trainer with torch_compile before this "
+                           "run), so Accelerate would compile the model again over hf_fp4's own compilation: run "
+                           "the trainer in a fresh process (its config's compile / compile_backend decide)")
 
 
 def lr_factor(step: int, cfg: TrainConfig) -> float:
@@ -320,8 +340,11 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> di
     mixed = cfg.mixed_precision if cfg.mixed_precision != "auto" else ("bf16" if torch.cuda.is_available() else "no")
     trackers = available_trackers(cfg.trackers)
     # one scheduler step per optimizer step, whatever the number of processes
+    # dynamo_backend "no": the trainer compiles its model itself (compile / compile_mode / compile_backend);
+    # accelerate's dynamo setting (`accelerate config`, ACCELERATE_DYNAMO_BACKEND) would compile the whole model again
     accelerator = Accelerator(mixed_precision=mixed, log_with=trackers or None, project_dir=str(run_dir),
-                              step_scheduler_with_optimizer=False)
+                              step_scheduler_with_optimizer=False, dynamo_backend="no")
+    check_accelerate_dynamo(accelerator)
     set_seed(cfg.seed)
     model = build_model(cfg, data.vocab_size)
     set_fp8_gemms(model, cfg.fp8_gemms)
