@@ -339,9 +339,8 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> di
     data = prepare_data(cfg.dataset, cfg.tokenizer, cfg.vocab_size, cfg.val_fraction)
     mixed = cfg.mixed_precision if cfg.mixed_precision != "auto" else ("bf16" if torch.cuda.is_available() else "no")
     trackers = available_trackers(cfg.trackers)
-    # one scheduler step per optimizer step, whatever the number of processes
-    # dynamo_backend "no": the trainer compiles its model itself (compile / compile_mode / compile_backend);
-    # accelerate's dynamo setting (`accelerate config`, ACCELERATE_DYNAMO_BACKEND) would compile the whole model again
+    # one scheduler step per optimizer step, whatever the number of processes; no dynamo: the trainer compiles the
+    # model itself (check_accelerate_dynamo)
     accelerator = Accelerator(mixed_precision=mixed, log_with=trackers or None, project_dir=str(run_dir),
                               step_scheduler_with_optimizer=False, dynamo_backend="no")
     check_accelerate_dynamo(accelerator)
