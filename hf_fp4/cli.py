@@ -60,6 +60,8 @@ def study(argv=None) -> int:
     parser.add_argument("--summary-only", action="store_true", help="only rebuild results.json / table.md / plots")
     parser.add_argument("--only", default=None,
                         help="comma list of run labels or <label>-s<seed> names: run these alone (the rest wait)")
+    parser.add_argument("--prepare-only", action="store_true",
+                        help="tokenise the unfinished runs' data and stop (a GPU machine's CPUs, while its GPU is busy)")
     args = parser.parse_args(argv)
     out = args.out
     if out is None:
@@ -69,9 +71,12 @@ def study(argv=None) -> int:
         spec = load_study(args.study, out)
         codes = {} if args.summary_only else run_study(spec, out, args.parallel,
                                                         args.gpus.split(",") if args.gpus else None,
-                                                        only=args.only.split(",") if args.only else None)
+                                                        only=args.only.split(",") if args.only else None,
+                                                        prepare_only=args.prepare_only)
     except (ValueError, FileNotFoundError) as err:
         parser.exit(2, f"error: {err}\n")
+    if args.prepare_only:
+        return 0
     summarize(spec, out)
     print((Path(out) / "table.md").read_text())
     failed = [name for name, code in codes.items() if code != 0]

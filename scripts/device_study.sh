@@ -13,6 +13,8 @@
 #   its since-fixed slow correction) trained bf16 at 239k and
 #   nvfp4 at 150k tokens/s each -- bf16 alone benchmarks at ~812k: together they were slower than in turn)
 #   WAIT=580 bash scripts/device_study.sh watch          (next calls, each within the machine's idle window)
+#   STUDY=... bash scripts/device_study.sh prep   [ONLY=...]  at the start of a benchmark call: the ~2 minutes of
+#   corpus tokenisation run on the machine's CPUs (niced, detached) while the GPU benchmarks; start waits for it
 #   After a benchmark in the same call (session 19: gpu_check.sh bench, then start with WAIT=$((585-SECONDS))),
 #   carry [".whl", ".carry"] with .whl holding only torchao's and hf_fp4's wheels: the full .whl (23 MB) and
 #   .carry (55 MB) exceed the 64 MiB a call carries.  Alone on the GPU each run of fp4-recipes-large trains at
@@ -46,17 +48,29 @@ if [ "$what" = unpack ]; then
   exec python -m hf_fp4 study "$study" --summary-only
 fi
 mkdir -p "$OUT" "$ROOT"
-if [ "$what" = start ]; then
+if [ "$what" = prep ] || [ "$what" = start ]; then
   STUDY=${STUDY:?STUDY=configs/study/<name>.yaml}
   name=$(python3 -c "import yaml,sys; print(yaml.safe_load(open('$STUDY'))['name'])")
   mkdir -p "$HF_FP4_CACHE" "$ROOT/study"
-  tar xJf .carry/hf_fp4-cache.tar.xz -C "$HF_FP4_CACHE"
-  python3 -m pip install -q --no-index --no-deps --target "$ROOT/site" .carry/hf_fp4-*.whl
+  if [ ! -f "$ROOT/installed" ]; then
+    tar xJf .carry/hf_fp4-cache.tar.xz -C "$HF_FP4_CACHE"
+    python3 -m pip install -q --no-index --no-deps --target "$ROOT/site" .carry/hf_fp4-*.whl
+    touch "$ROOT/installed"
+  fi
   cp -r configs "$ROOT/"
   # the finished runs (skipped there), not the logs: the logs that come back are this machine's alone, so that
   # unpack never filters a committed log twice (session 19 lost the progress lines of four that way)
   [ -d "benchmarks/study-$name/runs" ] && mkdir -p "$ROOT/study" && cp -r "benchmarks/study-$name/runs" "$ROOT/study/"
   echo "$name" > "$ROOT/name"
+fi
+if [ "$what" = prep ]; then  # the corpus on the CPUs (niced) while a benchmark has the GPU; start waits for it
+  (cd "$ROOT" && setsid nohup nice -n 10 python3 -P -m hf_fp4 study "$STUDY" --out "$ROOT/study" --prepare-only \
+     ${ONLY:+--only "$ONLY"} > "$ROOT/prep.log" 2>&1 < /dev/null &)
+  exit 0
+fi
+if [ "$what" = start ]; then
+  while pgrep -f "prepare-only" > /dev/null; do sleep 5; done
+  [ -f "$ROOT/prep.log" ] && tail -3 "$ROOT/prep.log"
   date -u +"%F %T start" > "$ROOT/study.log"
   (cd "$ROOT" && setsid nohup python3 -P -m hf_fp4 study "$STUDY" --out "$ROOT/study" --parallel "${PARALLEL:-1}" ${ONLY:+--only "$ONLY"} \
      >> "$ROOT/study.log" 2>&1 < /dev/null &)

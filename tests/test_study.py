@@ -150,3 +150,21 @@ def test_only_runs_the_named_labels_and_runs(corpus_files, tmp_path, capsys):
     assert started == ["bf16-s1", "u-s0"]
     with pytest.raises(ValueError, match="unknown run label.*nvfp4-s3.*valid: bf16, nvfp4, u"):
         run_study(study, out, launcher=["true"], only=["nvfp4-s3"])
+
+
+def test_prepare_only_tokenises_the_data_and_starts_no_run(corpus_files, tmp_path, capsys):
+    """device_study.sh prep: the corpus is tokenised on the machine's CPUs while its GPU runs a benchmark; the
+    study started afterwards finds the shards in the cache."""
+    out = tmp_path / "out"
+    study = load_study(write_study(tmp_path, corpus_files, [{"recipe": "bf16"}, {"recipe": "nvfp4"}]), out)
+    shards = tmp_path / "cache" / "tokens"
+    assert not shards.exists()
+    # `false` stands in for the pretrain command: a run that started would fail
+    assert run_study(study, out, launcher=["false"], poll_s=0.05, prepare_only=True) == {}
+    printed = capsys.readouterr().out
+    assert "preparing data" in printed and "starting" not in printed
+    assert [p.name for p in shards.iterdir() if (p / "meta.json").exists()]  # one prepared dataset
+    before = {p: p.stat().st_mtime_ns for p in shards.rglob("*") if p.is_file()}
+    codes = run_study(study, out, launcher=["true"], poll_s=0.05)  # the runs now start on the prepared shards
+    assert codes == {"bf16-s0": 0, "nvfp4-s0": 0}
+    assert {p: p.stat().st_mtime_ns for p in shards.rglob("*") if p.is_file()} == before  # not tokenised again

@@ -139,11 +139,13 @@ def run_state(run_dir: Path, max_steps: int) -> str:
 
 def run_study(study: Study, out: str | Path, parallel: int = 1, gpus: list[str] | None = None,
               launcher: list[str] | None = None, poll_s: float = 0.5,
-              only: list[str] | None = None) -> dict[str, int]:
+              only: list[str] | None = None, prepare_only: bool = False) -> dict[str, int]:
     """Run every unfinished run (`parallel` at a time; run k gets GPU gpus[k % len(gpus)] when given) and
     return their exit codes (0 for the ones already done).  A failed run does not stop the others.  Every
     label's first seed goes before any second one, so a study stopped half-way has covered the most labels.
-    only: these labels or run names (<label>-s<seed>) alone, e.g. the runs that fit a machine's remaining time."""
+    only: these labels or run names (<label>-s<seed>) alone, e.g. the runs that fit a machine's remaining time.
+    prepare_only: tokenise the unfinished runs' data and return (no run starts): a GPU machine prepares the corpus
+    on its CPUs while a benchmark has its GPU (scripts/device_study.sh prep)."""
     out = Path(out)
     if only:
         known = {r.label for r in study.runs} | {r.name for r in study.runs}
@@ -173,6 +175,8 @@ def run_study(study: Study, out: str | Path, parallel: int = 1, gpus: list[str] 
     for text, key in keys.items():
         print(f"study: preparing data {text}", flush=True)
         prepare_data(*key)
+    if prepare_only:
+        return codes
     runs = {run.name: run for run in study.runs}
     slots = list(range(max(1, parallel)))
     while queue or active:
