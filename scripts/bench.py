@@ -92,6 +92,43 @@ def timed(fn, inputs, warmup=3, reps=10, graphs=False, stream=False):
     return statistics.median(times)
 
 
+def captured_ms(fn, args, reps=20) -> float | None:
+    """Median milliseconds of one replay of fn(*args) captured in a CUDA graph with static inputs: the GPU time of
+    its kernels alone -- no host launch cost, and none of the input copies a CUDA-graph tree adds per step (its
+    bf16_graphs row: 1.12 ms against bf16's 1.06 back to back at 4096x4096 in session 19), as inside a whole
+    captured training step.  None on the CPU, for torch.compile(mode="reduce-overhead") impls (graphs of their
+    own) and where capture fails (a host synchronisation inside fn)."""
+    if not torch.cuda.is_available():
+        return None
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capturing stream (lazy initialisation, autotuning)
+        for _ in range(3):
+            fn(*args)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            fn(*args)
+    except RuntimeError as err:
+        print(f"note: capture failed: {str(err)[:160]}", file=sys.stderr)
+        torch.cuda.synchronize()
+        return None
+    graph.replay()
+    torch.cuda.synchronize()
+    events = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        events.append((start, end))
+    torch.cuda.synchronize()
+    ms = statistics.median(start.elapsed_time(end) for start, end in events)
+    del graph
+    return ms
+
+
 # ----------------------------------------------------------------------------------------------
 # The emulation peer: what a user writes in 30 lines -- NVFP4 fake quantization (two-level scales,
 # E2M1 round-to-nearest), three GEMMs in an autograd function, all under torch.compile.
@@ -334,47 +371,61 @@ class ClockLog:
             self.watts = statistics.median(s[1] for s in samples)
 
 
-def linear_times(layer, name, inputs) -> tuple[float, float, dict]:
-    """(ms with each call waited for, ms back to back, the GPU's median SM clock and power during each) of
-    linear_step over the rotating inputs."""
+def linear_times(layer, name, inputs) -> tuple[float, float, float | None, dict]:
+    """(ms with each call waited for, ms back to back, ms of a captured replay (captured_ms; None for the
+    reduce-overhead impls), the GPU's median SM clock and power during each) of linear_step over the rotating
+    inputs (the capture: the first)."""
     step, graphs = functools.partial(linear_step, layer), name.endswith("graphs")
     with ClockLog() as waited_clock:
         waited = timed(step, inputs, warmup=3, reps=20, graphs=graphs)
     with ClockLog() as stream_clock:
         stream = timed(step, inputs, warmup=3, reps=20, graphs=graphs, stream=True)
-    return waited, stream, {"sm_mhz": waited_clock.sm_mhz, "watts": waited_clock.watts,
-                            "sm_mhz_stream": stream_clock.sm_mhz, "watts_stream": stream_clock.watts}
+    with ClockLog() as captured_clock:
+        captured = None if graphs else captured_ms(step, inputs[0])
+    return waited, stream, captured, {"sm_mhz": waited_clock.sm_mhz, "watts": waited_clock.watts,
+                                      "sm_mhz_stream": stream_clock.sm_mhz, "watts_stream": stream_clock.watts,
+                                      "sm_mhz_captured": captured_clock.sm_mhz}
 
 
 def bench_linear(dev, tokens, shapes, results, names, spread=False):
-    table, stream_table, clock_table = [], [], []
+    table, stream_table, captured_table, clock_table = [], [], [], []
     make = spread_rows if spread else (lambda t: t)
     for k, n in shapes:
         inputs = [(make(torch.randn(tokens, k, device=dev, dtype=torch.bfloat16)).requires_grad_(),
                    make(torch.randn(tokens, n, device=dev, dtype=torch.bfloat16))) for _ in range(3)]
-        row, stream_row, clock_row, base_ms, base_stream = [f"{k}x{n}"], [f"{k}x{n}"], [f"{k}x{n}"], None, None
+        row, stream_row, captured_row, clock_row = ([f"{k}x{n}"] for _ in range(4))
+        base_ms = base_stream = base_captured = None
         for name, layer in linear_impls(k, n, dev, names):
-            ms, ms_stream, clocks = linear_times(layer, name, inputs)
+            ms, ms_stream, ms_captured, clocks = linear_times(layer, name, inputs)
             base_ms, base_stream = base_ms or ms, base_stream or ms_stream
+            base_captured = base_captured or ms_captured
             results["linear"].append({"shape": f"{k}x{n}", "tokens": tokens, "impl": name, "ms": round(ms, 4),
-                                      "ms_stream": round(ms_stream, 4), "inputs": "spread" if spread else "normal",
-                                      **clocks})
+                                      "ms_stream": round(ms_stream, 4),
+                                      "ms_captured": None if ms_captured is None else round(ms_captured, 4),
+                                      "inputs": "spread" if spread else "normal", **clocks})
             row.append(f"{ms:.2f} ({base_ms / ms:.2f}x)")
             stream_row.append(f"{ms_stream:.2f} ({base_stream / ms_stream:.2f}x)")
+            captured_row.append("-" if ms_captured is None else
+                                f"{ms_captured:.2f} ({base_captured / ms_captured:.2f}x)" if base_captured else
+                                f"{ms_captured:.2f}")
             clock_row.append(" / ".join("-" if clocks[key] is None else f"{clocks[key]:.0f}"
-                                        for key in ("sm_mhz", "sm_mhz_stream")))
+                                        for key in ("sm_mhz", "sm_mhz_stream", "sm_mhz_captured")))
             del layer
             torch.cuda.empty_cache() if dev == "cuda" else None
         table.append(row)
         stream_table.append(stream_row)
+        captured_table.append(captured_row)
         clock_table.append(clock_row)
     what = ", runs of 64 rows of x and dy spread over 2^-12..2^12 (spread_rows)" if spread else ""
     return (md_table(f"Linear forward + backward, {tokens} tokens{what}, bf16 (ms; speed vs bf16 nn.Linear; "
                      "each call waited for)", ["K x N"] + names, table)
             + "\n" + md_table("The same, calls back to back (the host runs ahead, as in a training step: "
                               "timed(stream=True))", ["K x N"] + names, stream_table)
-            + "\n" + md_table("The GPU's median SM clock during each timing, MHz (waited / back to back; nvidia-smi "
-                              "every 20 ms)", ["K x N"] + names, clock_table))
+            + "\n" + md_table("The same, one step captured in a CUDA graph with static inputs, replayed (GPU time "
+                              "only: no host cost, no graph-tree input copies; '-': reduce-overhead impls)",
+                              ["K x N"] + names, captured_table)
+            + "\n" + md_table("The GPU's median SM clock during each timing, MHz (waited / back to back / "
+                              "captured; nvidia-smi every 20 ms)", ["K x N"] + names, clock_table))
 
 
 def build_model(name, cfg_kwargs, dev):

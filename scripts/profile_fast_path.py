@@ -391,7 +391,7 @@ def profile_bench_linear(dev: str, names: list[str], k: int = 4096, n: int = 409
     inputs = [(torch.randn(tokens, k, device=dev, dtype=torch.bfloat16).requires_grad_(),
                torch.randn(tokens, n, device=dev, dtype=torch.bfloat16)) for _ in range(3)]
     for name, layer in linear_impls(k, n, dev, names):
-        waited, stream, _ = linear_times(layer, name, inputs)
+        waited, stream, captured, _ = linear_times(layer, name, inputs)
         graphs = name.endswith("graphs")
         activity = torch.profiler.ProfilerActivity.CUDA if dev == "cuda" else torch.profiler.ProfilerActivity.CPU
         with torch.profiler.profile(activities=[activity]) as prof:
@@ -401,7 +401,7 @@ def profile_bench_linear(dev: str, names: list[str], k: int = 4096, n: int = 409
                 linear_step(layer, *inputs[i % len(inputs)])
             torch.cuda.synchronize() if dev == "cuda" else None
         kernel_table(prof, steps, f"{name} {k}x{n}, {tokens} tokens: {waited:.3f} ms waited, {stream:.3f} ms back "
-                     "to back", waited, rows=14)
+                     f"to back, {captured} ms captured", waited, rows=14)
         del layer
         torch.cuda.empty_cache() if dev == "cuda" else None
 
