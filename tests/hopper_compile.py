@@ -153,6 +153,23 @@ def grouped_gemm_cases():
             yield f"grouped-gemm-{label}{'-fp8' if fp8 else ''}", kernel, types, consts, warps, divisible
 
 
+def fp8_correction_cases():
+    """The FP8 GEMM's exact correction (kernels/src/gemm.py): the exact BF16 copies and the GEMM of the flagged
+    tiles, as correct_lost_tiles launches them for MXFP4 operands."""
+    copy_types = {f"{p}{s}": t for p in ("a", "b") for s, t in (("_ptr", "*fp8e4nv"), ("_side", "*fp8e4nv"),
+                                                               ("_eb", "*i8"), ("_scale", "*fp32"), ("_flags", "*i8"),
+                                                               ("_out", "*bf16"))}
+    br, bk = gemm.COPY_TILE
+    yield ("fp8-exact-copy", gemm._exact_copy_kernel, copy_types,
+           dict(BR=br, BK=bk, A_BLC=32, A_SHIFT=6, B_BLC=32, B_SHIFT=6), 4)
+    for out in ("*bf16", "*fp32"):
+        types = {"out_ptr": out, "a_x": "*bf16", "b_x": "*bf16", "a_flags": "*i8", "b_flags": "*i8"}
+        params = inspect.signature(gemm._correction_kernel.fn).parameters
+        consts = dict(BM=128, BN=128, BK=64, OUT_BF16=out == "*bf16", INTERPRETED=False)
+        divisible = [p for p in params if p not in consts and (p in types or p in ("ld_out", "K"))]
+        yield f"fp8-correction-{out[1:]}", gemm._correction_kernel, types, consts, 8, divisible
+
+
 def cases():
     for label, (a, b) in OPERAND_CASES.items():
         types, constexprs, warps, divisible = operand_kernel_args(a, b)
@@ -167,6 +184,7 @@ def cases():
     yield from grouped_gemm_cases()
     yield ("scale-output", gemm._scale_cast_kernel, {"src_ptr": "*fp32", "dst_ptr": "*bf16", "a_scale_ptr": "*fp32",
            "b_scale_ptr": "*fp32"}, dict(BLOCK=gemm.SCALE_CAST_BLOCK, EVEN=True), 8)
+    yield from fp8_correction_cases()
     for tc, t in ((True, "*bf16"), (False, "*fp32")):
         types = {"q_ptr": t, "k_ptr": t, "v_ptr": t, "dec_ptr": "*fp32", "keep_ptr": "*i8", "o_ptr": "*fp32",
                  "lse_ptr": "*fp32", "scale": "fp32"}

@@ -8,16 +8,19 @@
    with reduced precision: within FP32 accumulation error only while each step's products span a
    limited range (benchmarks/results-2026-12-02.md; 1x128 block scales were measured and dropped,
    hf_fp4/numerics/operand_plan.py);
-2. a correction launch that recomputes exactly, from the E4M3 data, the `side` values and the block
-   exponents, every output tile that touches a row flagged as holding a block below E4M3's range,
-   and overwrites it.  The recomputation runs on the BF16 tensor cores: every exact operand value is
-   a 4-bit grid value (at most 4 significant bits) times a power of two, so BF16 holds it exactly and
-   the products are exact in the FP32 accumulator.  (It was an FP32 `ieee` dot on the CUDA cores: once
-   training spread the operands out, most rows were flagged and MX training ran 10x slower than NVFP4,
-   benchmarks/study-fp4-recipes-large/README.md.)  It is one persistent program per SM that first reads
-   each operand's "any row flagged" element (flags[rows]) and returns when both are clear: a few
-   microseconds, and no host ever waits on a flag.  (A program per output tile, reading its rows' flags, cost 25 us per GEMM:
-   7% of a 1.1B train step, profiled on the H200.)
+2. a correction that recomputes exactly, from the E4M3 data, the `side` values and the block exponents, every
+   output tile that touches a row flagged as holding a block below E4M3's range, and overwrites it.  Two
+   launches of one persistent program per SM (or two), each of which first reads each operand's "any row
+   flagged" element (flags[rows]) and returns when both are clear -- a few microseconds, and no host ever waits
+   on a flag: (a) the exact values of both operands as BF16 copies (every exact operand value is a 4-bit grid
+   value times a power of two, so BF16 holds it exactly), (b) a BF16 GEMM of the flagged output tiles over those
+   copies on the tensor cores (exact products, FP32 sums).  History: an FP32 `ieee` dot on the CUDA cores made
+   MX training 10x slower than NVFP4 once training spread the operands out and most rows were flagged
+   (benchmarks/study-fp4-recipes-large/README.md); its BF16 tensor-core successor still derived the exact values
+   inside the GEMM's loop for every tile and k-step, and on inputs whose 64-token runs spread over 2^-12..2^12
+   (bench.py's linear_spread: every wgrad operand row then holds blocks > 14 binades below its largest) the
+   MX layers ran 18x slower than bf16 on the H200 (benchmarks/results-2026-12-06-session20.md).  (A program per output tile, reading its rows' flags, cost
+   25 us per GEMM: 7% of a 1.1B train step, profiled on the H200.)
 """
 from __future__ import annotations
 
@@ -47,21 +50,41 @@ def exact_tile(data, side, eb, scale, rows, ks, row_ok, k_ok, ld, ld_eb, BLC: tl
 
 
 @triton.jit
-def _exact_values(data_ptr, side_ptr, eb_ptr, scale_ptr, rows, ks, n_rows, K,
-                  BLC: tl.constexpr, SHIFT: tl.constexpr):
-    """Exact FP32 values of a [rows, ks] tile of an FP8 operand (folded, or a lost block's side value)."""
-    return exact_tile(data_ptr, side_ptr, eb_ptr, scale_ptr, rows, ks, rows < n_rows, ks < K, K, K // BLC, BLC, SHIFT)
+def _exact_copy_kernel(a_ptr, a_side, a_eb, a_scale, a_flags, MA, a_out,
+                       b_ptr, b_side, b_eb, b_scale, b_flags, NB, b_out, K,
+                       BR: tl.constexpr, BK: tl.constexpr, A_BLC: tl.constexpr, A_SHIFT: tl.constexpr,
+                       B_BLC: tl.constexpr, B_SHIFT: tl.constexpr):
+    """Step 2a: a few persistent programs that read the two "any row flagged" elements and return when both are
+    clear; otherwise they write both operands' exact values (exact_tile) as BF16 [rows, K] copies, tile by tile
+    (every value is a 4-bit grid value times a power of two: BF16 holds it exactly, so any rounding is exact)."""
+    if tl.load(a_flags + MA).to(tl.int32) + tl.load(b_flags + NB).to(tl.int32) > 0:
+        k_tiles = tl.cdiv(K, BK)
+        a_tiles = tl.cdiv(MA, BR) * k_tiles
+        for tile in range(tl.program_id(0), a_tiles + tl.cdiv(NB, BR) * k_tiles, tl.num_programs(0)):
+            if tile < a_tiles:
+                rows = (tile // k_tiles) * BR + tl.arange(0, BR)
+                ks = (tile % k_tiles) * BK + tl.arange(0, BK)
+                v = exact_tile(a_ptr, a_side, a_eb, a_scale, rows, ks, rows < MA, ks < K, K, K // A_BLC, A_BLC,
+                               A_SHIFT)
+                tl.store(a_out + rows[:, None].to(tl.int64) * K + ks[None, :], v.to(tl.bfloat16),
+                         mask=(rows[:, None] < MA) & (ks[None, :] < K))
+            else:
+                rows = ((tile - a_tiles) // k_tiles) * BR + tl.arange(0, BR)
+                ks = ((tile - a_tiles) % k_tiles) * BK + tl.arange(0, BK)
+                v = exact_tile(b_ptr, b_side, b_eb, b_scale, rows, ks, rows < NB, ks < K, K, K // B_BLC, B_BLC,
+                               B_SHIFT)
+                tl.store(b_out + rows[:, None].to(tl.int64) * K + ks[None, :], v.to(tl.bfloat16),
+                         mask=(rows[:, None] < NB) & (ks[None, :] < K))
 
 
 @triton.jit
-def _correction_kernel(out_ptr, M, N, ld_out,
-                       a_ptr, a_side, a_eb, a_scale, a_flags, MA,
-                       b_ptr, b_side, b_eb, b_scale, b_flags, NB, K,
-                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                       A_BLC: tl.constexpr, A_SHIFT: tl.constexpr, B_BLC: tl.constexpr, B_SHIFT: tl.constexpr,
-                       OUT_BF16: tl.constexpr, INTERPRETED: tl.constexpr):
-    """A few persistent programs: nothing but two flag reads unless an operand has a lost block (flags[MA],
-    flags[NB]: "any row flagged"); then they walk the output tiles and recompute the flagged ones."""
+def _correction_kernel(out_ptr, M, N, ld_out, a_x, a_flags, MA, b_x, b_flags, NB, K,
+                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, OUT_BF16: tl.constexpr,
+                       INTERPRETED: tl.constexpr):
+    """Step 2b: a few persistent programs: nothing but two flag reads unless an operand has a lost block
+    (flags[MA], flags[NB]: "any row flagged"); then they walk the output tiles and recompute the flagged ones --
+    a BF16 GEMM over the exact copies of step 2a (exact products, FP32 sums, on the tensor cores), stored over
+    out."""
     if tl.load(a_flags + MA).to(tl.int32) + tl.load(b_flags + NB).to(tl.int32) > 0:
         n_col_tiles = tl.cdiv(N, BN)
         for tile in range(tl.program_id(0), tl.cdiv(M, BM) * n_col_tiles, tl.num_programs(0)):
@@ -70,32 +93,23 @@ def _correction_kernel(out_ptr, M, N, ld_out,
             flagged = (tl.max(tl.load(a_flags + rows, mask=rows < MA, other=0).to(tl.int32), axis=0)
                        + tl.max(tl.load(b_flags + cols, mask=cols < NB, other=0).to(tl.int32), axis=0))
             if flagged > 0:
-                _recompute_tile(out_ptr, M, N, ld_out, rows, cols, a_ptr, a_side, a_eb, a_scale, MA,
-                                b_ptr, b_side, b_eb, b_scale, NB, K, BM, BN, BK, A_BLC, A_SHIFT, B_BLC, B_SHIFT,
-                                OUT_BF16, INTERPRETED)
-
-
-@triton.jit
-def _recompute_tile(out_ptr, M, N, ld_out, rows, cols, a_ptr, a_side, a_eb, a_scale, MA,
-                    b_ptr, b_side, b_eb, b_scale, NB, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                    A_BLC: tl.constexpr, A_SHIFT: tl.constexpr, B_BLC: tl.constexpr, B_SHIFT: tl.constexpr,
-                    OUT_BF16: tl.constexpr, INTERPRETED: tl.constexpr):
-    """The exact [rows, cols] tile of the product from the exact operand values, stored over out."""
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        ks = k0 + tl.arange(0, BK)
-        a = _exact_values(a_ptr, a_side, a_eb, a_scale, rows, ks, MA, K, A_BLC, A_SHIFT)
-        b = _exact_values(b_ptr, b_side, b_eb, b_scale, cols, ks, NB, K, B_BLC, B_SHIFT)
-        if INTERPRETED:  # the interpreter multiplies BF16 operands of tl.dot as their raw bits: FP32 there
-            acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
-        else:  # BF16 holds every value exactly: exact products, FP32 sums, on the tensor cores
-            acc = tl.dot(a.to(tl.bfloat16), tl.trans(b.to(tl.bfloat16)), acc)
-    mask = (rows[:, None] < M) & (cols[None, :] < N)
-    optr = out_ptr + rows[:, None].to(tl.int64) * ld_out + cols[None, :]
-    if OUT_BF16:  # round to nearest even by hand (Triton's interpreter truncates in .to(bfloat16))
-        tl.store(optr.to(tl.pointer_type(tl.int16)), bf16_bits(acc), mask=mask)
-    else:
-        tl.store(optr, acc, mask=mask)
+                acc = tl.zeros([BM, BN], dtype=tl.float32)
+                a_rows = a_x + rows[:, None].to(tl.int64) * K
+                b_cols = b_x + cols[None, :].to(tl.int64) * K
+                for k0 in range(0, K, BK):
+                    ks = k0 + tl.arange(0, BK)
+                    a = tl.load(a_rows + ks[None, :], mask=(rows[:, None] < MA) & (ks[None, :] < K), other=0.0)
+                    b = tl.load(b_cols + ks[:, None], mask=(ks[:, None] < K) & (cols[None, :] < NB), other=0.0)
+                    if INTERPRETED:  # the interpreter multiplies BF16 operands of tl.dot as their raw bits
+                        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+                    else:
+                        acc = tl.dot(a, b, acc)
+                mask = (rows[:, None] < M) & (cols[None, :] < N)
+                optr = out_ptr + rows[:, None].to(tl.int64) * ld_out + cols[None, :]
+                if OUT_BF16:  # round to nearest even by hand (Triton's interpreter truncates in .to(bfloat16))
+                    tl.store(optr.to(tl.pointer_type(tl.int16)), bf16_bits(acc), mask=mask)
+                else:
+                    tl.store(optr, acc, mask=mask)
 
 
 @functools.lru_cache(maxsize=None)
@@ -103,22 +117,35 @@ def _programs(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+#: The exact copies' tile (rows x K columns) of step 2a.
+COPY_TILE = (64, 128)
+
+
 def correct_lost_tiles(out: torch.Tensor, a, b, a_blc: int, a_shift: int, b_blc: int, b_shift: int,
                        tile: tuple[int, int, int] = (128, 128, 64), programs: int | None = None) -> None:
     """Recompute exactly, in place, the tiles of out [M, N] whose rows of a or b are flagged (one program
-    per SM, or `programs`; each walks its share of the tiles, only when some row is flagged)."""
+    per SM, or `programs`; each walks its share of the tiles, only when some row is flagged): two launches,
+    the exact BF16 copies of both operands and the GEMM of the flagged tiles over them.  The copies' memory
+    (BF16, the operands' shapes) is taken for every call and written only when some row is flagged."""
     m, n = out.shape
     bm, bn, bk = tile
     k = a.data.shape[1]
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     if programs is None:
         programs = _programs(out.device.index or 0) if out.is_cuda else 4
+    a_x = torch.empty(a.data.shape, dtype=torch.bfloat16, device=out.device)
+    b_x = torch.empty(b.data.shape, dtype=torch.bfloat16, device=out.device)
+    cr, ck = COPY_TILE[0], min(COPY_TILE[1], triton.next_power_of_2(k))
+    copy_tiles = (triton.cdiv(a.data.shape[0], cr) + triton.cdiv(b.data.shape[0], cr)) * triton.cdiv(k, ck)
+    launcher(_exact_copy_kernel)[(max(1, min(copy_tiles, 2 * programs)),)](
+        a.data, a.side, a.eb, a.scale, a.flags, a.data.shape[0], a_x,
+        b.data, b.side, b.eb, b.scale, b.flags, b.data.shape[0], b_x, k,
+        BR=cr, BK=ck, A_BLC=a_blc, A_SHIFT=a_shift, B_BLC=b_blc, B_SHIFT=b_shift, num_warps=4)
     launcher(_correction_kernel)[(max(1, min(tiles, programs)),)](
-        out, m, n, out.stride(0), a.data, a.side, a.eb, a.scale, a.flags, a.data.shape[0],
-        b.data, b.side, b.eb, b.scale, b.flags, b.data.shape[0], k,
-        BM=bm, BN=bn, BK=min(bk, triton.next_power_of_2(k)), A_BLC=a_blc, A_SHIFT=a_shift, B_BLC=b_blc,
-        B_SHIFT=b_shift, OUT_BF16=out.dtype == torch.bfloat16, INTERPRETED=not out.is_cuda,
-        num_warps=8 if bm * bn >= 128 * 128 else 4)
+        out, m, n, out.stride(0), a_x, a.flags, a.data.shape[0], b_x, b.flags, b.data.shape[0], k,
+        BM=bm, BN=bn, BK=min(bk, triton.next_power_of_2(k)), OUT_BF16=out.dtype == torch.bfloat16,
+        INTERPRETED=not out.is_cuda, num_warps=8 if bm * bn >= 128 * 128 else 4,
+        num_stages=3 if out.is_cuda else 1)
 
 
 def scaled_mm(a, b, m: int, n: int, out_dtype: torch.dtype) -> torch.Tensor:
