@@ -13,8 +13,10 @@
 #   its since-fixed slow correction) trained bf16 at 239k and
 #   nvfp4 at 150k tokens/s each -- bf16 alone benchmarks at ~812k: together they were slower than in turn)
 #   WAIT=580 bash scripts/device_study.sh watch          (next calls, each within the machine's idle window)
-#   STUDY=... bash scripts/device_study.sh prep   [ONLY=...]  at the start of a benchmark call: the ~2 minutes of
-#   corpus tokenisation run on the machine's CPUs (niced, detached) while the GPU benchmarks; start waits for it
+#   STUDY=... bash scripts/device_study.sh prep   [ONLY=...]  at the start of a call whose work is GPU-bound: the
+#   ~2 minutes of corpus tokenisation run on the machine's CPUs (niced, detached); start waits for it.  Not beside
+#   host-bound timings: in session 20 it slowed bench.py's eager and graph-tree linear rows (eager nvfp4 at 4096^2
+#   2.84 ms against 2.19 in session 19); the captured rows and the e2e part with CUDA graphs are GPU-bound
 #   After a benchmark in the same call (session 19: gpu_check.sh bench, then start with WAIT=$((585-SECONDS))),
 #   carry [".whl", ".carry"] with .whl holding only torchao's and hf_fp4's wheels: the full .whl (23 MB) and
 #   .carry (55 MB) exceed the 64 MiB a call carries.  Alone on the GPU each run of fp4-recipes-large trains at
