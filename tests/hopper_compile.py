@@ -138,14 +138,11 @@ def group_stats_kernel_args(a: OperandPlan | None, b: OperandPlan | None):
 def grouped_gemm_cases():
     """The grouped GEMM kernels: BF16 operands with per-expert tensor scales, and FP8 operands (MXFP4's blocks)."""
     bm, bn, bk, warps, _ = grouped_gemm.TILE
-    sizes = ("lda", "ldb", "ld_out", "N", "K", "M", "b_step", "bs_step", "as_step", "bf_step", "ld_aeb", "ld_beb",
-             "beb_step")
+    sizes = ("lda", "ldb", "ld_out", "N", "K", "M", "b_step", "bs_step", "as_step", "bf_step")
     for fp8 in (False, True):
-        consts = dict(BM=bm, BN=bn, BK=bk, FP8=fp8, SCALED=not fp8, A_BLC=32 if fp8 else 1, A_SHIFT=6 if fp8 else 0,
-                      B_BLC=32 if fp8 else 1, B_SHIFT=6 if fp8 else 0, OUT_BF16=True, INTERPRETED=False)
+        consts = dict(BM=bm, BN=bn, BK=bk, FP8=fp8, SCALED=not fp8, OUT_BF16=True, INTERPRETED=False)
         types = {"out_ptr": "*bf16", "ends_ptr": "*i32", **{f"{p}{s}": t for p in ("a", "b") for s, t in (
-            ("", "*fp8e4nv" if fp8 else "*bf16"), ("_scale", "*fp32"), ("_side", "*fp8e4nv"), ("_eb", "*i8"),
-            ("_flags", "*i8"))}}
+            ("", "*fp8e4nv" if fp8 else "*bf16"), ("_scale", "*fp32"), ("_flags", "*i8"), ("_x", "*bf16"))}}
         for label, kernel in (("rows", grouped_gemm._grouped_rows_kernel),
                               ("contraction", grouped_gemm._grouped_contraction_kernel)):
             params = inspect.signature(kernel.fn).parameters
@@ -154,14 +151,16 @@ def grouped_gemm_cases():
 
 
 def fp8_correction_cases():
-    """The FP8 GEMM's exact correction (kernels/src/gemm.py): the exact BF16 copies and the GEMM of the flagged
-    tiles, as correct_lost_tiles launches them for MXFP4 operands."""
-    copy_types = {f"{p}{s}": t for p in ("a", "b") for s, t in (("_ptr", "*fp8e4nv"), ("_side", "*fp8e4nv"),
-                                                               ("_eb", "*i8"), ("_scale", "*fp32"), ("_flags", "*i8"),
-                                                               ("_out", "*bf16"))}
+    """The FP8 GEMMs' exact correction (kernels/src/gemm.py): the exact BF16 copies -- per-row scales (FP4Linear's
+    GEMMs, the grouped fprop), per (row, expert) with the experts along the columns (the grouped dgrad's W^T) or in
+    segments (the grouped wgrad) -- and FP4Linear's GEMM of the flagged tiles over them."""
+    copy_types = {"ends_ptr": "*i32", **{f"{p}{s}": t for p in ("a", "b") for s, t in (
+        ("_ptr", "*fp8e4nv"), ("_side", "*fp8e4nv"), ("_eb", "*i8"), ("_scale", "*fp32"), ("_flags", "*i8"),
+        ("_out", "*bf16"))}}
     br, bk = gemm.COPY_TILE
-    yield ("fp8-exact-copy", gemm._exact_copy_kernel, copy_types,
-           dict(BR=br, BK=bk, A_BLC=32, A_SHIFT=6, B_BLC=32, B_SHIFT=6), 4)
+    for a_groups, b_groups in ((0, 0), (0, 1), (2, 2)):
+        yield (f"fp8-exact-copy-{a_groups}{b_groups}", gemm._exact_copy_kernel, copy_types,
+               dict(BR=br, BK=bk, A_BLC=32, A_SHIFT=6, A_GROUPS=a_groups, B_BLC=32, B_SHIFT=6, B_GROUPS=b_groups), 4)
     for out in ("*bf16", "*fp32"):
         types = {"out_ptr": out, "a_x": "*bf16", "b_x": "*bf16", "a_flags": "*i8", "b_flags": "*i8"}
         params = inspect.signature(gemm._correction_kernel.fn).parameters

@@ -36,45 +36,71 @@ from .numerics import bf16_bits, pow2
 
 
 @triton.jit
-def exact_tile(data, side, eb, scale, rows, ks, row_ok, k_ok, ld, ld_eb, BLC: tl.constexpr, SHIFT: tl.constexpr):
+def exact_tile(data, side, eb, row_scale, rows, ks, row_ok, k_ok, ld, ld_eb, BLC: tl.constexpr, SHIFT: tl.constexpr):
     """Exact FP32 values of a [rows, ks] tile of an FP8 operand (rows of stride ld, block exponents of stride
-    ld_eb): the E4M3 value times its row scale, or a lost block's side value times 2^(e - SHIFT)."""
+    ld_eb): the E4M3 value times its row scale (row_scale: the scales, broadcastable to the tile -- [rows, 1], or
+    [rows, ks] where the scale changes along the contraction), or a lost block's side value times 2^(e - SHIFT)."""
     inside = row_ok[:, None] & k_ok[None, :]
     offs = rows[:, None].to(tl.int64) * ld + ks[None, :]
     main = tl.load(data + offs, mask=inside, other=0.0).to(tl.float32)
-    row_scale = tl.load(scale + rows, mask=row_ok, other=0.0)
     e = tl.load(eb + rows[:, None].to(tl.int64) * ld_eb + ks[None, :] // BLC, mask=inside, other=-128).to(tl.int32)
     lost = e != -128
     sv = tl.load(side + offs, mask=inside & lost, other=0.0).to(tl.float32)
-    return tl.where(lost, sv * pow2(tl.where(lost, e, 0) - SHIFT), main * row_scale[:, None])
+    return tl.where(lost, sv * pow2(tl.where(lost, e, 0) - SHIFT), main * row_scale)
 
 
 @triton.jit
-def _exact_copy_kernel(a_ptr, a_side, a_eb, a_scale, a_flags, MA, a_out,
-                       b_ptr, b_side, b_eb, b_scale, b_flags, NB, b_out, K,
+def _segment_of(ends_ptr, E, ks, BK: tl.constexpr):
+    """The segment (of E, ending at ends_ptr[0..E), non-decreasing) each column of ks lies in, at most E - 1."""
+    g = tl.zeros([BK], dtype=tl.int32)
+    for e in range(E - 1):
+        g += (ks >= tl.load(ends_ptr + e)).to(tl.int32)
+    return g
+
+
+@triton.jit
+def _copy_exact(data, side, eb, scale, R, C, ld, ld_eb, gw, s_step, out, ends_ptr, E, tile,
+                BR: tl.constexpr, BK: tl.constexpr, BLC: tl.constexpr, SHIFT: tl.constexpr, GROUPS: tl.constexpr):
+    """Tile `tile` (row-major over [R, C] in BR x BK tiles) of an FP8 operand's exact values, stored as BF16 at out
+    (stride ld).  The row scale of element (r, c): scale[r] (GROUPS 0), or scale[g * s_step + r] with g the
+    column's group -- c // gw (1: W^T's experts, gw columns each) or its segment of ends (2: the grouped wgrad's
+    expert segments along the contraction)."""
+    k_tiles = tl.cdiv(C, BK)
+    rows = (tile // k_tiles) * BR + tl.arange(0, BR)
+    ks = (tile % k_tiles) * BK + tl.arange(0, BK)
+    row_ok, k_ok = rows < R, ks < C
+    if GROUPS == 0:
+        sc = tl.load(scale + rows, mask=row_ok, other=0.0)[:, None]
+    else:
+        if GROUPS == 1:
+            g = tl.minimum(ks // gw, E - 1)
+        else:
+            g = _segment_of(ends_ptr, E, ks, BK)
+        sc = tl.load(scale + g[None, :].to(tl.int64) * s_step + rows[:, None], mask=row_ok[:, None] & k_ok[None, :],
+                     other=0.0)
+    v = exact_tile(data, side, eb, sc, rows, ks, row_ok, k_ok, ld, ld_eb, BLC, SHIFT)
+    tl.store(out + rows[:, None].to(tl.int64) * ld + ks[None, :], v.to(tl.bfloat16),
+             mask=row_ok[:, None] & k_ok[None, :])
+
+
+@triton.jit
+def _exact_copy_kernel(a_ptr, a_side, a_eb, a_scale, a_flags, MA, CA, lda, ld_aeb, a_gw, a_ss, a_out,
+                       b_ptr, b_side, b_eb, b_scale, b_flags, NB, CB, ldb, ld_beb, b_gw, b_ss, b_out, ends_ptr, E,
                        BR: tl.constexpr, BK: tl.constexpr, A_BLC: tl.constexpr, A_SHIFT: tl.constexpr,
-                       B_BLC: tl.constexpr, B_SHIFT: tl.constexpr):
-    """Step 2a: a few persistent programs that read the two "any row flagged" elements and return when both are
-    clear; otherwise they write both operands' exact values (exact_tile) as BF16 [rows, K] copies, tile by tile
-    (every value is a 4-bit grid value times a power of two: BF16 holds it exactly, so any rounding is exact)."""
+                       A_GROUPS: tl.constexpr, B_BLC: tl.constexpr, B_SHIFT: tl.constexpr, B_GROUPS: tl.constexpr):
+    """Step 2a: a few persistent programs that read the two operands' "any row flagged" elements (a_flags[MA],
+    b_flags[NB]) and return when both are clear; otherwise they write both operands' exact values as BF16 copies
+    of their shapes, tile by tile (_copy_exact; every value is a 4-bit grid value times a power of two: BF16 holds
+    it exactly, so any rounding is exact)."""
     if tl.load(a_flags + MA).to(tl.int32) + tl.load(b_flags + NB).to(tl.int32) > 0:
-        k_tiles = tl.cdiv(K, BK)
-        a_tiles = tl.cdiv(MA, BR) * k_tiles
-        for tile in range(tl.program_id(0), a_tiles + tl.cdiv(NB, BR) * k_tiles, tl.num_programs(0)):
+        a_tiles = tl.cdiv(MA, BR) * tl.cdiv(CA, BK)
+        for tile in range(tl.program_id(0), a_tiles + tl.cdiv(NB, BR) * tl.cdiv(CB, BK), tl.num_programs(0)):
             if tile < a_tiles:
-                rows = (tile // k_tiles) * BR + tl.arange(0, BR)
-                ks = (tile % k_tiles) * BK + tl.arange(0, BK)
-                v = exact_tile(a_ptr, a_side, a_eb, a_scale, rows, ks, rows < MA, ks < K, K, K // A_BLC, A_BLC,
-                               A_SHIFT)
-                tl.store(a_out + rows[:, None].to(tl.int64) * K + ks[None, :], v.to(tl.bfloat16),
-                         mask=(rows[:, None] < MA) & (ks[None, :] < K))
+                _copy_exact(a_ptr, a_side, a_eb, a_scale, MA, CA, lda, ld_aeb, a_gw, a_ss, a_out, ends_ptr,
+                            E, tile, BR, BK, A_BLC, A_SHIFT, A_GROUPS)
             else:
-                rows = ((tile - a_tiles) // k_tiles) * BR + tl.arange(0, BR)
-                ks = ((tile - a_tiles) % k_tiles) * BK + tl.arange(0, BK)
-                v = exact_tile(b_ptr, b_side, b_eb, b_scale, rows, ks, rows < NB, ks < K, K, K // B_BLC, B_BLC,
-                               B_SHIFT)
-                tl.store(b_out + rows[:, None].to(tl.int64) * K + ks[None, :], v.to(tl.bfloat16),
-                         mask=(rows[:, None] < NB) & (ks[None, :] < K))
+                _copy_exact(b_ptr, b_side, b_eb, b_scale, NB, CB, ldb, ld_beb, b_gw, b_ss, b_out, ends_ptr,
+                            E, tile - a_tiles, BR, BK, B_BLC, B_SHIFT, B_GROUPS)
 
 
 @triton.jit
@@ -121,6 +147,27 @@ def _programs(device_index: int) -> int:
 COPY_TILE = (64, 128)
 
 
+def exact_copies(a, b, a_layout: tuple, b_layout: tuple, programs: int, ends: torch.Tensor | None = None):
+    """Step 2a's launch: BF16 tensors of a's and b's data shapes (taken from the caching allocator on every call),
+    written with the operands' exact values only when some row of either is flagged.  *_layout: (block, SHIFT,
+    GROUPS, group width, scale step) -- see _copy_exact; ends: the segments of GROUPS 2."""
+    for op in (a, b):
+        if not op.data.is_contiguous():
+            raise ValueError("the exact copies take the operands' strides: contiguous FP8 data expected")
+    a_x = torch.empty(a.data.shape, dtype=torch.bfloat16, device=a.data.device)
+    b_x = torch.empty(b.data.shape, dtype=torch.bfloat16, device=b.data.device)
+    (ma, ca), (nb, cb) = a.data.shape, b.data.shape
+    cr, ck = COPY_TILE[0], min(COPY_TILE[1], triton.next_power_of_2(max(ca, cb)))
+    tiles = triton.cdiv(ma, cr) * triton.cdiv(ca, ck) + triton.cdiv(nb, cr) * triton.cdiv(cb, ck)
+    ends = a.flags if ends is None else ends  # (a stand-in pointer where no operand is segmented)
+    launcher(_exact_copy_kernel)[(max(1, min(tiles, 2 * programs)),)](
+        a.data, a.side, a.eb, a.scale, a.flags, ma, ca, ca, a.eb.stride(0), a_layout[3], a_layout[4], a_x,
+        b.data, b.side, b.eb, b.scale, b.flags, nb, cb, cb, b.eb.stride(0), b_layout[3], b_layout[4], b_x,
+        ends, ends.shape[0], BR=cr, BK=ck, A_BLC=a_layout[0], A_SHIFT=a_layout[1], A_GROUPS=a_layout[2],
+        B_BLC=b_layout[0], B_SHIFT=b_layout[1], B_GROUPS=b_layout[2], num_warps=4)
+    return a_x, b_x
+
+
 def correct_lost_tiles(out: torch.Tensor, a, b, a_blc: int, a_shift: int, b_blc: int, b_shift: int,
                        tile: tuple[int, int, int] = (128, 128, 64), programs: int | None = None) -> None:
     """Recompute exactly, in place, the tiles of out [M, N] whose rows of a or b are flagged (one program
@@ -133,14 +180,7 @@ def correct_lost_tiles(out: torch.Tensor, a, b, a_blc: int, a_shift: int, b_blc:
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     if programs is None:
         programs = _programs(out.device.index or 0) if out.is_cuda else 4
-    a_x = torch.empty(a.data.shape, dtype=torch.bfloat16, device=out.device)
-    b_x = torch.empty(b.data.shape, dtype=torch.bfloat16, device=out.device)
-    cr, ck = COPY_TILE[0], min(COPY_TILE[1], triton.next_power_of_2(k))
-    copy_tiles = (triton.cdiv(a.data.shape[0], cr) + triton.cdiv(b.data.shape[0], cr)) * triton.cdiv(k, ck)
-    launcher(_exact_copy_kernel)[(max(1, min(copy_tiles, 2 * programs)),)](
-        a.data, a.side, a.eb, a.scale, a.flags, a.data.shape[0], a_x,
-        b.data, b.side, b.eb, b.scale, b.flags, b.data.shape[0], b_x, k,
-        BR=cr, BK=ck, A_BLC=a_blc, A_SHIFT=a_shift, B_BLC=b_blc, B_SHIFT=b_shift, num_warps=4)
+    a_x, b_x = exact_copies(a, b, (a_blc, a_shift, 0, 0, 0), (b_blc, b_shift, 0, 0, 0), programs)
     launcher(_correction_kernel)[(max(1, min(tiles, programs)),)](
         out, m, n, out.stride(0), a_x, a.flags, a.data.shape[0], b_x, b.flags, b.data.shape[0], k,
         BM=bm, BN=bn, BK=min(bk, triton.next_power_of_2(k)), OUT_BF16=out.dtype == torch.bfloat16,

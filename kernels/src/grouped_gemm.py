@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .gemm import _kernel_device, exact_tile
+from .gemm import _kernel_device, exact_copies
 from .launch import launcher
 from .numerics import bf16_bits
 
@@ -60,13 +60,12 @@ def _dot_tile(a, lda, rows, row_ok, b, ldb, cols, col_ok, k_lo, k_hi, BM: tl.con
 # FP8 operands (the MX family: E8M0 block scales folded into E4M3 against a reference exponent per row -- per row
 # and expert where the experts run along the contraction; kernels/src/operand.py).  The FP8 tensor cores with a
 # promotion to FP32 after every MMA step, then the two row scales; a tile that touches a row flagged as holding
-# a block below E4M3's range is recomputed exactly in the same program (kernels/src/gemm.py's correction, done
-# where the tile is: flags are rare and read per tile).
+# a block below E4M3's range is recomputed exactly in the same program, as a BF16 product of the operands' exact
+# BF16 copies (kernels/src/gemm.py's exact_copies, written by one launch before the GEMM when any row is flagged;
+# a_x / b_x: the copies, with the data's strides and offsets).
 @triton.jit
-def _fp8_tile(a, a_scale, a_side, a_eb, a_flags, lda, ld_aeb, rows, row_ok,
-              b, b_scale, b_side, b_eb, b_flags, ldb, ld_beb, cols, col_ok, k_lo, k_hi,
-              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, A_BLC: tl.constexpr, A_SHIFT: tl.constexpr,
-              B_BLC: tl.constexpr, B_SHIFT: tl.constexpr, INTERPRETED: tl.constexpr):
+def _fp8_tile(a, a_scale, a_flags, a_x, lda, rows, row_ok, b, b_scale, b_flags, b_x, ldb, cols, col_ok, k_lo, k_hi,
+              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, INTERPRETED: tl.constexpr):
     """sum over k in [k_lo, k_hi) of a[rows, k] b[cols, k] in real units (row scales applied), exact where a flagged
     row is touched.  The pointers are the group's (offsets applied by the caller)."""
     acc = _dot_tile(a, lda, rows, row_ok, b, ldb, cols, col_ok, k_lo, k_hi, BM, BN, BK, True, INTERPRETED)
@@ -75,32 +74,20 @@ def _fp8_tile(a, a_scale, a_side, a_eb, a_flags, lda, ld_aeb, rows, row_ok,
     acc = acc * sa[:, None] * sb[None, :]
     flagged = (tl.max(tl.load(a_flags + rows, mask=row_ok, other=0).to(tl.int32), axis=0)
                + tl.max(tl.load(b_flags + cols, mask=col_ok, other=0).to(tl.int32), axis=0))
-    if flagged > 0:  # rare: the tile again from the exact values, on the BF16 tensor cores (exact products)
-        ks = tl.arange(0, BK)
-        acc = tl.zeros([BM, BN], dtype=tl.float32)
-        for k0 in range(k_lo, k_hi, BK):
-            k_ok = k0 + ks < k_hi
-            x = exact_tile(a, a_side, a_eb, a_scale, rows, k0 + ks, row_ok, k_ok, lda, ld_aeb, A_BLC, A_SHIFT)
-            y = exact_tile(b, b_side, b_eb, b_scale, cols, k0 + ks, col_ok, k_ok, ldb, ld_beb, B_BLC, B_SHIFT)
-            if INTERPRETED:
-                acc = tl.dot(x, tl.trans(y), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(x.to(tl.bfloat16), tl.trans(y.to(tl.bfloat16)), acc)
+    if flagged > 0:  # the tile again from the exact copies, on the BF16 tensor cores (exact products)
+        acc = _dot_tile(a_x, lda, rows, row_ok, b_x, ldb, cols, col_ok, k_lo, k_hi, BM, BN, BK, False, INTERPRETED)
     return acc
 
 
 @triton.jit
-def _tile(a, a_scale, a_side, a_eb, a_flags, lda, ld_aeb, rows, row_ok,
-          b, b_scale, b_side, b_eb, b_flags, ldb, ld_beb, cols, col_ok, k_lo, k_hi, e,
+def _tile(a, a_scale, a_flags, a_x, lda, rows, row_ok, b, b_scale, b_flags, b_x, ldb, cols, col_ok, k_lo, k_hi, e,
           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr, SCALED: tl.constexpr,
-          A_BLC: tl.constexpr, A_SHIFT: tl.constexpr, B_BLC: tl.constexpr, B_SHIFT: tl.constexpr,
           INTERPRETED: tl.constexpr):
-    """One output tile in real units: FP8 (row scales a_scale / b_scale, lost blocks) or BF16 (SCALED: times the
-    group's FP32 tensor scales a_scale[e] * b_scale[e])."""
+    """One output tile in real units: FP8 (row scales a_scale / b_scale, lost blocks from the exact copies) or BF16
+    (SCALED: times the group's FP32 tensor scales a_scale[e] * b_scale[e])."""
     if FP8:
-        acc = _fp8_tile(a, a_scale, a_side, a_eb, a_flags, lda, ld_aeb, rows, row_ok, b, b_scale, b_side, b_eb,
-                        b_flags, ldb, ld_beb, cols, col_ok, k_lo, k_hi, BM, BN, BK, A_BLC, A_SHIFT, B_BLC, B_SHIFT,
-                        INTERPRETED)
+        acc = _fp8_tile(a, a_scale, a_flags, a_x, lda, rows, row_ok, b, b_scale, b_flags, b_x, ldb, cols, col_ok,
+                        k_lo, k_hi, BM, BN, BK, INTERPRETED)
     else:
         acc = _dot_tile(a, lda, rows, row_ok, b, ldb, cols, col_ok, k_lo, k_hi, BM, BN, BK, False, INTERPRETED)
         if SCALED:
@@ -119,16 +106,13 @@ def _store(out_ptr, ld_out, rows, cols, mask, acc, OUT_BF16: tl.constexpr):
 
 
 @triton.jit
-def _grouped_rows_kernel(a, a_scale, a_side, a_eb, a_flags, lda, ld_aeb,
-                         b, b_scale, b_side, b_eb, b_flags, ldb, ld_beb, b_step, beb_step, bs_step, bf_step,
+def _grouped_rows_kernel(a, a_scale, a_flags, a_x, lda, b, b_scale, b_flags, b_x, ldb, b_step, bs_step, bf_step,
                          out_ptr, ld_out, ends_ptr, E, N, K,
                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr,
-                         SCALED: tl.constexpr, A_BLC: tl.constexpr, A_SHIFT: tl.constexpr, B_BLC: tl.constexpr,
-                         B_SHIFT: tl.constexpr, OUT_BF16: tl.constexpr, INTERPRETED: tl.constexpr):
+                         SCALED: tl.constexpr, OUT_BF16: tl.constexpr, INTERPRETED: tl.constexpr):
     """Persistent: program p takes tiles p, p + P, ... of the list (expert, row tile, column tile), row tiles of an
     expert's segment first-major so that neighbouring programs share the segment's rows.  Expert e's B starts
-    e * b_step elements further (FP8: its side values too; block exponents e * beb_step, row scales e * bs_step,
-    row flags e * bf_step)."""
+    e * b_step elements further (FP8: its exact copy too; row scales e * bs_step, row flags e * bf_step)."""
     n_tiles = tl.cdiv(N, BN)
     tile = tl.program_id(0)
     seen = 0
@@ -141,10 +125,9 @@ def _grouped_rows_kernel(a, a_scale, a_side, a_eb, a_flags, lda, ld_aeb,
             rows = start + (local // n_tiles) * BM + tl.arange(0, BM)
             cols = (local % n_tiles) * BN + tl.arange(0, BN)
             e64 = tl.zeros([], tl.int64) + e
-            acc = _tile(a, a_scale, a_side, a_eb, a_flags, lda, ld_aeb, rows, rows < end,
-                        b + e64 * b_step, b_scale + e64 * bs_step, b_side + e64 * b_step, b_eb + e64 * beb_step,
-                        b_flags + e64 * bf_step, ldb, ld_beb, cols, cols < N, 0, K, e, BM, BN, BK, FP8, SCALED,
-                        A_BLC, A_SHIFT, B_BLC, B_SHIFT, INTERPRETED)
+            acc = _tile(a, a_scale, a_flags, a_x, lda, rows, rows < end, b + e64 * b_step, b_scale + e64 * bs_step,
+                        b_flags + e64 * bf_step, b_x + e64 * b_step, ldb, cols, cols < N, 0, K, e, BM, BN, BK, FP8,
+                        SCALED, INTERPRETED)
             _store(out_ptr, ld_out, rows, cols, (rows[:, None] < end) & (cols[None, :] < N), acc, OUT_BF16)
             tile += tl.num_programs(0)
         seen += count
@@ -152,13 +135,10 @@ def _grouped_rows_kernel(a, a_scale, a_side, a_eb, a_flags, lda, ld_aeb,
 
 
 @triton.jit
-def _grouped_contraction_kernel(a, a_scale, a_side, a_eb, a_flags, lda, ld_aeb, as_step,
-                                b, b_scale, b_side, b_eb, b_flags, ldb, ld_beb, bs_step,
+def _grouped_contraction_kernel(a, a_scale, a_flags, a_x, lda, as_step, b, b_scale, b_flags, b_x, ldb, bs_step,
                                 out_ptr, ends_ptr, M, N,
                                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr,
-                                SCALED: tl.constexpr, A_BLC: tl.constexpr, A_SHIFT: tl.constexpr,
-                                B_BLC: tl.constexpr, B_SHIFT: tl.constexpr, OUT_BF16: tl.constexpr,
-                                INTERPRETED: tl.constexpr):
+                                SCALED: tl.constexpr, OUT_BF16: tl.constexpr, INTERPRETED: tl.constexpr):
     """Program (tile, e): one [BM, BN] tile of out[e] = a[:, seg e] @ b[:, seg e]^T; zero for an empty segment.
     FP8: row scales per expert (e * as_step, e * bs_step)."""
     e = tl.program_id(1)
@@ -169,9 +149,8 @@ def _grouped_contraction_kernel(a, a_scale, a_side, a_eb, a_flags, lda, ld_aeb, 
     start = tl.multiple_of(tl.load(ends_ptr + e - 1, mask=e > 0, other=0), 16)
     end = tl.multiple_of(tl.load(ends_ptr + e), 16)
     e64 = tl.zeros([], tl.int64) + e
-    acc = _tile(a, a_scale + e64 * as_step, a_side, a_eb, a_flags, lda, ld_aeb, rows, rows < M,
-                b, b_scale + e64 * bs_step, b_side, b_eb, b_flags, ldb, ld_beb, cols, cols < N, start, end, e,
-                BM, BN, BK, FP8, SCALED, A_BLC, A_SHIFT, B_BLC, B_SHIFT, INTERPRETED)
+    acc = _tile(a, a_scale + e64 * as_step, a_flags, a_x, lda, rows, rows < M, b, b_scale + e64 * bs_step, b_flags,
+                b_x, ldb, cols, cols < N, start, end, e, BM, BN, BK, FP8, SCALED, INTERPRETED)
     _store(out_ptr + e64 * M * N, N, rows, cols, (rows[:, None] < M) & (cols[None, :] < N), acc, OUT_BF16)
 
 
@@ -201,8 +180,7 @@ def grouped_rows(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, n: int, k
     scaled = a_scale is not None
     if not _kernel_device(a):
         return _rows_torch(a, b, ends, n, k, b_step, a_scale, b_scale, out)
-    _launch_rows(out, *_bf16_args(a, b, a_scale, b_scale), [b_step, 0, 0, 0], ends, n, k, False, scaled,
-                 (1, 0, 1, 0))
+    _launch_rows(out, *_bf16_args(a, b, a_scale, b_scale), [b_step, 0, 0], ends, n, k, False, scaled)
     return out
 
 
@@ -211,28 +189,25 @@ def _bf16_args(a: torch.Tensor, b: torch.Tensor, a_scale, b_scale) -> tuple[list
     scales (or a 1-element stand-in), stand-ins for what the FP8 form alone has, the row stride."""
     unused = torch.empty(1, dtype=torch.int8, device=a.device)
     sa, sb = (a_scale, b_scale) if a_scale is not None else (unused, unused)
-    return ([a, sa, unused, unused, unused, a.stride(0), 0], [b, sb, unused, unused, unused, b.stride(0), 0])
+    return [a, sa, unused, unused, a.stride(0)], [b, sb, unused, unused, b.stride(0)]
 
 
-def _launch_rows(out, a_args, b_args, steps, ends, n, k, fp8, scaled, blocks):
+def _launch_rows(out, a_args, b_args, steps, ends, n, k, fp8, scaled):
     bm, bn, bk, warps, stages = TILE
     dev = out.device
-    a_blc, a_shift, b_blc, b_shift = blocks
     launcher(_grouped_rows_kernel)[(_programs(dev.index or 0) if dev.type == "cuda" else 4,)](
         *a_args, *b_args, *steps, out, out.stride(0), ends, ends.shape[0], n, k, BM=bm, BN=bn, BK=bk, FP8=fp8,
-        SCALED=scaled, A_BLC=a_blc, A_SHIFT=a_shift, B_BLC=b_blc, B_SHIFT=b_shift,
-        OUT_BF16=out.dtype == torch.bfloat16, INTERPRETED=dev.type != "cuda", num_warps=warps, num_stages=stages)
+        SCALED=scaled, OUT_BF16=out.dtype == torch.bfloat16, INTERPRETED=dev.type != "cuda", num_warps=warps,
+        num_stages=stages)
 
 
-def _launch_contraction(out, a_args, b_args, scale_steps, ends, fp8, scaled, blocks):
+def _launch_contraction(out, a_args, b_args, scale_steps, ends, fp8, scaled):
     bm, bn, bk, warps, stages = TILE
     num, m, n = out.shape
-    a_blc, a_shift, b_blc, b_shift = blocks
     launcher(_grouped_contraction_kernel)[(triton.cdiv(m, bm) * triton.cdiv(n, bn), num)](
         *a_args, scale_steps[0], *b_args, scale_steps[1], out, ends, m, n, BM=bm, BN=bn, BK=bk, FP8=fp8,
-        SCALED=scaled, A_BLC=a_blc, A_SHIFT=a_shift, B_BLC=b_blc, B_SHIFT=b_shift,
-        OUT_BF16=out.dtype == torch.bfloat16, INTERPRETED=out.device.type != "cuda", num_warps=warps,
-        num_stages=stages)
+        SCALED=scaled, OUT_BF16=out.dtype == torch.bfloat16, INTERPRETED=out.device.type != "cuda",
+        num_warps=warps, num_stages=stages)
 
 
 def grouped_contraction(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, m: int, n: int,
@@ -250,7 +225,7 @@ def grouped_contraction(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, m:
     scaled = a_scale is not None
     if not _kernel_device(a):
         return _contraction_torch(a, b, ends, m, n, a_scale, b_scale, out)
-    _launch_contraction(out, *_bf16_args(a, b, a_scale, b_scale), (0, 0), ends, False, scaled, (1, 0, 1, 0))
+    _launch_contraction(out, *_bf16_args(a, b, a_scale, b_scale), (0, 0), ends, False, scaled)
     return out
 
 
@@ -280,9 +255,9 @@ def _contraction_torch(a, b, ends, m, n, a_scale, b_scale, out):
     return out
 
 
-def _fp8_args(op) -> list:
-    """An FP8 operand's kernel arguments: data, row scales, side values, block exponents, row flags, strides."""
-    return [op.data, op.scale, op.side, op.eb, op.flags, op.data.stride(0), op.eb.stride(0)]
+def _fp8_args(op, copy: torch.Tensor) -> list:
+    """An FP8 operand's kernel arguments: data, row scales, row flags, its exact BF16 copy, the row stride."""
+    return [op.data, op.scale, op.flags, copy, op.data.stride(0)]
 
 
 def _need_kernels(t: torch.Tensor) -> None:
@@ -290,25 +265,38 @@ def _need_kernels(t: torch.Tensor) -> None:
         raise RuntimeError("the grouped FP8 GEMMs run on CUDA (or in Triton's interpreter: TRITON_INTERPRET=1)")
 
 
+def _copy_programs(t: torch.Tensor) -> int:
+    return _programs(t.device.index or 0) if t.is_cuda else 4
+
+
 def grouped_rows_fp8(a, b, ends: torch.Tensor, n: int, k: int, steps: tuple[int, int, int, int],
                      blocks: tuple[int, int, int, int], out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """grouped_rows on FP8 operands (hf_fp4.numerics.operand_plan.Operand: E4M3 data, row scales, lost blocks):
     out [R, n], the rows of segment e times expert e's B, whose data / side, block exponents, row scales and row
     flags start `steps` = (b_step, beb_step, bs_step, bf_step) elements further per expert; blocks = (a's block,
-    a's SHIFT, b's block, b's SHIFT).  Exact as FP4Linear's FP8 GEMM is (kernels/src/gemm.py)."""
+    a's SHIFT, b's block, b's SHIFT).  Exact as FP4Linear's FP8 GEMM is (kernels/src/gemm.py).  B's row scales are
+    either one per row of its data (the stacked weights' rows) or [E, rows] (W^T, whose columns e * b_step.. are
+    expert e's: its exact copy takes each column's expert's scale)."""
     _check(ends, None, None)
     _need_kernels(a.data)
     out = torch.empty((a.data.shape[0], n), dtype=out_dtype, device=a.data.device)
-    _launch_rows(out, _fp8_args(a), _fp8_args(b), steps, ends, n, k, True, False, blocks)
+    b_cols = b.scale.numel() != b.data.shape[0]
+    a_x, b_x = exact_copies(a, b, (blocks[0], blocks[1], 0, 0, 0),
+                            (blocks[2], blocks[3], 1 if b_cols else 0, steps[0], steps[2]), _copy_programs(out),
+                            ends)
+    _launch_rows(out, _fp8_args(a, a_x), _fp8_args(b, b_x), [steps[0], steps[2], steps[3]], ends, n, k, True, False)
     return out
 
 
 def grouped_contraction_fp8(a, b, ends: torch.Tensor, m: int, n: int, scale_steps: tuple[int, int],
                             blocks: tuple[int, int, int, int], out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """grouped_contraction on FP8 operands whose row scales are per expert: expert e's start `scale_steps` =
-    (a's, b's) elements further (the transposed orientations' [E, rows] scales)."""
+    (a's, b's) elements further (the transposed orientations' [E, rows] scales; the exact copies take each
+    column's segment's)."""
     _check(ends, None, None)
     _need_kernels(a.data)
     out = torch.empty((ends.shape[0], m, n), dtype=out_dtype, device=a.data.device)
-    _launch_contraction(out, _fp8_args(a), _fp8_args(b), scale_steps, ends, True, False, blocks)
+    a_x, b_x = exact_copies(a, b, (blocks[0], blocks[1], 2, 0, scale_steps[0]),
+                            (blocks[2], blocks[3], 2, 0, scale_steps[1]), _copy_programs(out), ends)
+    _launch_contraction(out, _fp8_args(a, a_x), _fp8_args(b, b_x), scale_steps, ends, True, False)
     return out
