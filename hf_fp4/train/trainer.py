@@ -336,7 +336,6 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> di
 
     run_dir = Path(cfg.output_dir)
     resume_from = check_output_dir(run_dir, cfg, resume, overwrite)
-    data = prepare_data(cfg.dataset, cfg.tokenizer, cfg.vocab_size, cfg.val_fraction)
     mixed = cfg.mixed_precision if cfg.mixed_precision != "auto" else ("bf16" if torch.cuda.is_available() else "no")
     trackers = available_trackers(cfg.trackers)
     # one scheduler step per optimizer step, whatever the number of processes; no dynamo: the trainer compiles the
@@ -344,6 +343,10 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> di
     accelerator = Accelerator(mixed_precision=mixed, log_with=trackers or None, project_dir=str(run_dir),
                               step_scheduler_with_optimizer=False, dynamo_backend="no")
     check_accelerate_dynamo(accelerator)
+    # each machine's first process tokenises into the cache, the others then read it: ranks that prepared the same
+    # shards side by side replaced each other's tokenizer folder while reading it (a CI run of session 20)
+    with accelerator.local_main_process_first():
+        data = prepare_data(cfg.dataset, cfg.tokenizer, cfg.vocab_size, cfg.val_fraction)
     set_seed(cfg.seed)
     model = build_model(cfg, data.vocab_size)
     set_fp8_gemms(model, cfg.fp8_gemms)
