@@ -157,10 +157,12 @@ def fp8_correction_cases():
     copy_types = {"ends_ptr": "*i32", **{f"{p}{s}": t for p in ("a", "b") for s, t in (
         ("_ptr", "*fp8e4nv"), ("_side", "*fp8e4nv"), ("_eb", "*i8"), ("_scale", "*fp32"), ("_flags", "*i8"),
         ("_out", "*bf16"))}}
-    br, bk = gemm.COPY_TILE
+    br, bk, warps = gemm.COPY_TILE
+    params = inspect.signature(gemm._exact_copy_kernel.fn).parameters
     for a_groups, b_groups in ((0, 0), (0, 1), (2, 2)):
-        yield (f"fp8-exact-copy-{a_groups}{b_groups}", gemm._exact_copy_kernel, copy_types,
-               dict(BR=br, BK=bk, A_BLC=32, A_SHIFT=6, A_GROUPS=a_groups, B_BLC=32, B_SHIFT=6, B_GROUPS=b_groups), 4)
+        consts = dict(BR=br, BK=bk, A_BLC=32, A_SHIFT=6, A_GROUPS=a_groups, B_BLC=32, B_SHIFT=6, B_GROUPS=b_groups)
+        divisible = [p for p in params if p not in consts and (p in copy_types or p in ("CA", "CB", "lda", "ldb"))]
+        yield f"fp8-exact-copy-{a_groups}{b_groups}", gemm._exact_copy_kernel, copy_types, consts, warps, divisible
     for out in ("*bf16", "*fp32"):
         types = {"out_ptr": out, "a_x": "*bf16", "b_x": "*bf16", "a_flags": "*i8", "b_flags": "*i8"}
         params = inspect.signature(gemm._correction_kernel.fn).parameters
