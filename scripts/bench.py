@@ -797,13 +797,14 @@ def render(results) -> str:
     for inputs in dict.fromkeys(r.get("inputs", "normal") for r in results["linear"]):
         runs = [r for r in results["linear"] if r.get("inputs", "normal") == inputs]
         impls = list(dict.fromkeys(r["impl"] for r in runs))
-        for field, how in (("ms", "each call waited for"), ("ms_stream", "calls back to back")):
+        for field, how in (("ms", "each call waited for"), ("ms_stream", "calls back to back"),
+                           ("ms_captured", "one step captured in a CUDA graph, replayed")):
             rows = []
             for shape in dict.fromkeys(r["shape"] for r in runs):
-                ms = {r["impl"]: r[field] for r in runs if r["shape"] == shape and field in r}
+                ms = {r["impl"]: r[field] for r in runs if r["shape"] == shape and r.get(field) is not None}
                 rows.append([shape] + [f"{ms[i]:.2f} ({ms['bf16'] / ms[i]:.2f}x)" if i in ms and "bf16" in ms
                                        else "-" for i in impls])
-            if any(field in r for r in runs):
+            if any(r.get(field) is not None for r in runs):
                 text.append(md_table(f"Linear forward + backward, {runs[0]['tokens']} tokens, {inputs} inputs, bf16 "
                                      f"(ms; speed vs bf16 nn.Linear; {how})", ["K x N"] + impls, rows))
     for model in dict.fromkeys(r["model"] for r in results["e2e"]):

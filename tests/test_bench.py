@@ -70,3 +70,25 @@ def test_fsdp_bench_quick_on_two_cpu_ranks_writes_every_row(tmp_path):
     bad = subprocess.run([sys.executable, script, "--impls", "hf_fp4:nvfp5"], capture_output=True, text=True,
                          timeout=120)
     assert bad.returncode != 0 and "unknown impl(s) hf_fp4:nvfp5; valid: bf16" in bad.stderr
+
+
+def test_merged_results_render_each_timing_and_skip_missing_ones(tmp_path):
+    """--merge: the linear rows of several runs in one table per timing -- the captured one too, where an impl has it
+    (None for the reduce-overhead impls: a '-', not a crash)."""
+    def run(name, impls):
+        rows = [{"shape": "64x64", "tokens": 32, "impl": i, "ms": ms, "ms_stream": ms / 2, "ms_captured": cap,
+                 "inputs": "normal"} for i, ms, cap in impls]
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps({"device": "d", "versions": {}, "command": f"python {name}", "date": "2026-01-01",
+                                    "linear": rows, "e2e": [], "quant": []}))
+        return str(path)
+
+    paths = [run("a", [("bf16", 2.0, 1.0), ("hf_fp4:mxfp4:graphs", 1.0, None)]), run("b", [("hf_fp4:mxfp4", 4.0, 0.5)])]
+    out = tmp_path / "out"
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "--merge", *paths, "--out", str(out)],
+                   check=True, cwd=ROOT, capture_output=True, timeout=300)
+    text = next(out.glob("results-*.md")).read_text()
+    captured = text.split("captured in a CUDA graph")[1].split("###")[0]
+    assert "| 64x64 | 1.00 (1.00x) | - | 0.50 (2.00x) |" in captured
+    assert "| 64x64 | 2.00 (1.00x) | 1.00 (2.00x) | 4.00 (0.50x) |" in text  # the waited timing
+    assert "- command: `python a`" in text and "- command: `python b`" in text
