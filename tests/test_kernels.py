@@ -770,8 +770,8 @@ def test_grouped_fp8_operands_and_gemms_hold_each_experts_reference(name, h):
     ends = torch.tensor([s + -(-c // px[1].k_align) * px[1].k_align for s, c in zip(starts, counts)],
                         dtype=torch.int32, device=DEV)
     blocks = (spec.block[1], fp8_shift(spec.grid)) * 2
-    y = grouped_rows_fp8(ox, ow, ends, n, k, (n * ow.data.stride(0), n * ow.eb.stride(0), n, n), blocks).cpu()
-    dx = grouped_rows_fp8(ody, owt, ends, k, n, (n, n // spec.block[1], owt.data.shape[0], 0), blocks).cpu()
+    y = grouped_rows_fp8(ox, ow, ends, n, k, (n * ow.data.stride(0), n, n), blocks).cpu()
+    dx = grouped_rows_fp8(ody, owt, ends, k, n, (n, owt.data.shape[0], 0), blocks).cpu()
     dw = grouped_contraction_fp8(odyt, oxt, ends, n, k, (odyt.data.shape[0], oxt.data.shape[0]), blocks).cpu()
     bits = FP8_MMA_BITS if CUDA else FP32_BITS
     vx, vdy = _fp8_group_values(ox, px[0], 0, False), _fp8_group_values(ody, px[0], 0, False)

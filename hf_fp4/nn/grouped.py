@@ -182,9 +182,9 @@ def _rows_gemm(form: str, a: Operand, b: Operand, pa: OperandPlan, pb: OperandPl
     W^T's columns e*k.. (dgrad: B [n, E*k], its contraction k) -- in the GEMM's form."""
     if form == "fp8":
         if weight_rows:
-            steps = [n * b.data.stride(0), n * b.eb.stride(0), n, n]
-        else:  # W^T: columns e*k.. of data, side and exponents; row scales [E, rows]; flags per row of W^T
-            steps = [k, k // pb.spec.block[1], b.data.shape[0], 0]
+            steps = [n * b.data.stride(0), n, n]
+        else:  # W^T: columns e*k.. of data (and its exact copy); row scales [E, rows]; flags per row of W^T
+            steps = [k, b.data.shape[0], 0]
         return custom_call(_rows_fp8_impl, _rows_fp8_op, _rows_fp8_cuda_op, t)(*a, *b, ends, n, k, steps,
                                                                                _blocks(pa, pb))
     step = n * b.data.stride(0) if weight_rows else k

@@ -143,18 +143,26 @@ def _programs(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def default_programs(t: torch.Tensor) -> int:
+    """Persistent programs for t's device: one per SM (4 in Triton's interpreter)."""
+    return _programs(t.device.index or 0) if t.is_cuda else 4
+
+
 #: The exact copies' tile (rows x K columns, warps) of step 2a: its sm_90 code (Triton 3.9, launched as the GPU's
 #: JIT specialises an aligned call) holds a tile in 76-89 registers with 8 warps, 79-146 with 4 (no stack either way).
 COPY_TILE = (64, 128, 8)
 
 
-def exact_copies(a, b, a_layout: tuple, b_layout: tuple, programs: int, ends: torch.Tensor | None = None):
+def exact_copies(a, b, a_layout: tuple, b_layout: tuple, programs: int | None = None,
+                 ends: torch.Tensor | None = None):
     """Step 2a's launch: BF16 tensors of a's and b's data shapes (taken from the caching allocator on every call),
     written with the operands' exact values only when some row of either is flagged.  *_layout: (block, SHIFT,
-    GROUPS, group width, scale step) -- see _copy_exact; ends: the segments of GROUPS 2."""
+    GROUPS, group width, scale step) -- see _copy_exact; programs: twice that many at most (default: one per SM);
+    ends: the segments of GROUPS 2."""
     for op in (a, b):
         if not op.data.is_contiguous():
             raise ValueError("the exact copies take the operands' strides: contiguous FP8 data expected")
+    programs = programs or default_programs(a.data)
     a_x = torch.empty(a.data.shape, dtype=torch.bfloat16, device=a.data.device)
     b_x = torch.empty(b.data.shape, dtype=torch.bfloat16, device=b.data.device)
     (ma, ca), (nb, cb) = a.data.shape, b.data.shape
@@ -179,8 +187,7 @@ def correct_lost_tiles(out: torch.Tensor, a, b, a_blc: int, a_shift: int, b_blc:
     bm, bn, bk = tile
     k = a.data.shape[1]
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-    if programs is None:
-        programs = _programs(out.device.index or 0) if out.is_cuda else 4
+    programs = programs or default_programs(out)
     a_x, b_x = exact_copies(a, b, (a_blc, a_shift, 0, 0, 0), (b_blc, b_shift, 0, 0, 0), programs)
     launcher(_correction_kernel)[(max(1, min(tiles, programs)),)](
         out, m, n, out.stride(0), a_x, a.flags, a.data.shape[0], b_x, b.flags, b.data.shape[0], k,

@@ -19,13 +19,11 @@ products in torch, one segment at a time (the host reads the ends).
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-from .gemm import _kernel_device, exact_copies
+from .gemm import _kernel_device, default_programs, exact_copies
 from .launch import launcher
 from .numerics import bf16_bits
 
@@ -154,11 +152,6 @@ def _grouped_contraction_kernel(a, a_scale, a_flags, a_x, lda, as_step, b, b_sca
     _store(out_ptr + e64 * M * N, N, rows, cols, (rows[:, None] < M) & (cols[None, :] < N), acc, OUT_BF16)
 
 
-@functools.lru_cache(maxsize=None)
-def _programs(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _check(ends: torch.Tensor, a_scale, b_scale) -> None:
     if ends.dim() != 1 or ends.dtype != torch.int32:
         raise ValueError(f"ends must be int32 [E], got {ends.dtype} {tuple(ends.shape)}")
@@ -195,7 +188,7 @@ def _bf16_args(a: torch.Tensor, b: torch.Tensor, a_scale, b_scale) -> tuple[list
 def _launch_rows(out, a_args, b_args, steps, ends, n, k, fp8, scaled):
     bm, bn, bk, warps, stages = TILE
     dev = out.device
-    launcher(_grouped_rows_kernel)[(_programs(dev.index or 0) if dev.type == "cuda" else 4,)](
+    launcher(_grouped_rows_kernel)[(default_programs(out),)](
         *a_args, *b_args, *steps, out, out.stride(0), ends, ends.shape[0], n, k, BM=bm, BN=bn, BK=bk, FP8=fp8,
         SCALED=scaled, OUT_BF16=out.dtype == torch.bfloat16, INTERPRETED=dev.type != "cuda", num_warps=warps,
         num_stages=stages)
@@ -265,15 +258,11 @@ def _need_kernels(t: torch.Tensor) -> None:
         raise RuntimeError("the grouped FP8 GEMMs run on CUDA (or in Triton's interpreter: TRITON_INTERPRET=1)")
 
 
-def _copy_programs(t: torch.Tensor) -> int:
-    return _programs(t.device.index or 0) if t.is_cuda else 4
-
-
-def grouped_rows_fp8(a, b, ends: torch.Tensor, n: int, k: int, steps: tuple[int, int, int, int],
+def grouped_rows_fp8(a, b, ends: torch.Tensor, n: int, k: int, steps: tuple[int, int, int],
                      blocks: tuple[int, int, int, int], out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """grouped_rows on FP8 operands (hf_fp4.numerics.operand_plan.Operand: E4M3 data, row scales, lost blocks):
-    out [R, n], the rows of segment e times expert e's B, whose data / side, block exponents, row scales and row
-    flags start `steps` = (b_step, beb_step, bs_step, bf_step) elements further per expert; blocks = (a's block,
+    out [R, n], the rows of segment e times expert e's B, whose data (and exact copy), row scales and row flags start
+    `steps` = (b_step, bs_step, bf_step) elements further per expert; blocks = (a's block,
     a's SHIFT, b's block, b's SHIFT).  Exact as FP4Linear's FP8 GEMM is (kernels/src/gemm.py).  B's row scales are
     either one per row of its data (the stacked weights' rows) or [E, rows] (W^T, whose columns e * b_step.. are
     expert e's: its exact copy takes each column's expert's scale)."""
@@ -282,9 +271,8 @@ def grouped_rows_fp8(a, b, ends: torch.Tensor, n: int, k: int, steps: tuple[int,
     out = torch.empty((a.data.shape[0], n), dtype=out_dtype, device=a.data.device)
     b_cols = b.scale.numel() != b.data.shape[0]
     a_x, b_x = exact_copies(a, b, (blocks[0], blocks[1], 0, 0, 0),
-                            (blocks[2], blocks[3], 1 if b_cols else 0, steps[0], steps[2]), _copy_programs(out),
-                            ends)
-    _launch_rows(out, _fp8_args(a, a_x), _fp8_args(b, b_x), [steps[0], steps[2], steps[3]], ends, n, k, True, False)
+                            (blocks[2], blocks[3], 1 if b_cols else 0, steps[0], steps[1]), ends=ends)
+    _launch_rows(out, _fp8_args(a, a_x), _fp8_args(b, b_x), list(steps), ends, n, k, True, False)
     return out
 
 
@@ -297,6 +285,6 @@ def grouped_contraction_fp8(a, b, ends: torch.Tensor, m: int, n: int, scale_step
     _need_kernels(a.data)
     out = torch.empty((ends.shape[0], m, n), dtype=out_dtype, device=a.data.device)
     a_x, b_x = exact_copies(a, b, (blocks[0], blocks[1], 2, 0, scale_steps[0]),
-                            (blocks[2], blocks[3], 2, 0, scale_steps[1]), _copy_programs(out), ends)
+                            (blocks[2], blocks[3], 2, 0, scale_steps[1]), ends=ends)
     _launch_contraction(out, _fp8_args(a, a_x), _fp8_args(b, b_x), scale_steps, ends, True, False)
     return out
