@@ -50,6 +50,9 @@ if [ "$what" = unpack ]; then
   exec python -m hf_fp4 study "$study" --summary-only
 fi
 mkdir -p "$OUT" "$ROOT"
+# the study process, matched from the start of its command line: the call's own shell holds this script's whole
+# command, and an unanchored "prepare-only" matched it (session 20: start waited on itself until the call's limit)
+STUDY_PROCESS="^python3 -P -m hf_fp4 study"
 if [ "$what" = prep ] || [ "$what" = start ]; then
   STUDY=${STUDY:?STUDY=configs/study/<name>.yaml}
   name=$(python3 -c "import yaml,sys; print(yaml.safe_load(open('$STUDY'))['name'])")
@@ -71,19 +74,17 @@ if [ "$what" = prep ]; then  # the corpus on the CPUs (niced) while a benchmark 
   exit 0
 fi
 if [ "$what" = start ]; then
-  while pgrep -f "^python3 -P -m hf_fp4 study .*--prepare-only" > /dev/null; do sleep 5; done
+  while pgrep -f "$STUDY_PROCESS .*--prepare-only" > /dev/null; do sleep 5; done
   [ -f "$ROOT/prep.log" ] && tail -3 "$ROOT/prep.log"
   date -u +"%F %T start" > "$ROOT/study.log"
   (cd "$ROOT" && setsid nohup python3 -P -m hf_fp4 study "$STUDY" --out "$ROOT/study" --parallel "${PARALLEL:-1}" ${ONLY:+--only "$ONLY"} \
      >> "$ROOT/study.log" 2>&1 < /dev/null &)
 fi
 deadline=$((SECONDS + ${WAIT:-540}))
-# patterns anchored at the start of the process's command line: the call's own shell holds this script's whole
-# command, and an unanchored "prepare-only" matched it (session 20: start waited on itself until the call's limit)
-while [ $SECONDS -lt $deadline ] && pgrep -f "^python3 -P -m hf_fp4 study" > /dev/null; do sleep 10; done
+while [ $SECONDS -lt $deadline ] && pgrep -f "$STUDY_PROCESS" > /dev/null; do sleep 10; done
 cd "$ROOT/study" 2>/dev/null && tar czf "$OUT/study.tgz" --ignore-failed-read \
   $(ls -d runs/*/metrics.jsonl runs/*/run_info.json runs/*/result.json runs/*/train_config.yaml logs 2>/dev/null)
 cp "$ROOT/study.log" "$OUT/" 2>/dev/null
 nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader > "$OUT/gpu.txt"
-pgrep -f "^python3 -P -m hf_fp4 study" > /dev/null && echo "study still running" || echo "study process ended"
+pgrep -f "$STUDY_PROCESS" > /dev/null && echo "study still running" || echo "study process ended"
 tail -20 "$ROOT/study.log"
