@@ -557,7 +557,7 @@ def bench_moe(dev, quick, results, presets):
     x = torch.randn(tokens, hidden, device=dev, generator=g).to(torch.bfloat16 if dev == "cuda" else torch.float32)
     logits = torch.randn(tokens, e, device=dev, generator=g)
     weights, index = torch.softmax(logits, -1).topk(topk, -1)
-    rows, base = [], None
+    rows, base, base_captured = [], None, None
     # hf_fp4:<preset> takes the grouped GEMMs (hf_fp4.nn.grouped: operands per expert group; FP8 grouped GEMMs for
     # the MX family, BF16 ones with per-expert tensor scales for NVFP4 / UFP4); ":loop" runs the same preset's
     # per-expert loop, side by side -- for the first preset only: a loop row costs ~0.3 s a step on the H200 and its
@@ -585,15 +585,24 @@ def bench_moe(dev, quick, results, presets):
             out.float().square().mean().backward()
         try:
             ms = timed(step, [()], warmup=2, reps=5)
+            # the GPU time alone (as the linear part's captured timing); not for the per-expert loops (bf16:eager,
+            # :loop), which size their slices on the host and cannot be captured
+            loop = name == "bf16:eager" or name.endswith(":loop")
+            captured = None if loop else captured_ms(step, ())
         except Exception as err:  # noqa: BLE001  (an implementation this torch / device lacks)
-            rows.append([name, f"failed: {type(err).__name__}: {str(err)[:80]}", ""])
+            rows.append([name, f"failed: {type(err).__name__}: {str(err)[:80]}", "", "", ""])
             continue
-        base = base or ms
+        base, base_captured = base or ms, base_captured or captured
         results.setdefault("moe", []).append({"shape": f"E{e} top{topk} H{hidden} I{inter} T{tokens}", "impl": name,
-                                              "ms": round(ms, 4)})
-        rows.append([name, f"{ms:.2f}", f"{base / ms:.2f}x"])
+                                              "ms": round(ms, 4),
+                                              "ms_captured": None if captured is None else round(captured, 4)})
+        rows.append([name, f"{ms:.2f}", f"{base / ms:.2f}x"] + (
+            ["-", "-"] if captured is None or base_captured is None
+            else [f"{captured:.2f}", f"{base_captured / captured:.2f}x"]))
     return md_table(f"MoE experts layer fwd+bwd, {e} experts top-{topk}, hidden {hidden}, expert {inter}, {tokens} "
-                    "tokens (ms; speed vs the first row)", ["impl", "ms", "vs first"], rows)
+                    "tokens (ms, waited for; and one step captured in a CUDA graph, replayed: GPU time alone, '-' "
+                    "where capture fails; speed vs the first row)",
+                    ["impl", "ms", "vs first", "ms captured", "vs first (captured)"], rows)
 
 
 def bench_sharq(dev, quick, results):
