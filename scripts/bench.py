@@ -543,27 +543,25 @@ def bench_attention(dev, quick, results):
                     ["impl", "fwd ms", "fwd GiB", "fwd+bwd ms", "fwd+bwd GiB"], rows)
 
 
-def bench_moe(dev, quick, results, presets):
-    """One MoE experts layer (issue 16) forward + backward: Transformers' bf16 implementations (grouped_mm,
-    eager) against hf_fp4's FP4 experts, same routing."""
+MOE_SHAPE = (64, 8, 2048, 768, 16384)  # experts, top-k, hidden, expert size, tokens: issue 16's layer
+
+
+def moe_steps(dev, quick, names):
+    """(name, step, shape) per impl name of bench_moe's layer -- bf16:grouped_mm, bf16:eager (Transformers'
+    Qwen3MoeExperts), hf_fp4:<preset> (grouped GEMMs) and hf_fp4:<preset>:loop -- each step one forward +
+    backward on the same inputs and routing (also profile_fast_path.py --moe)."""
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
     from hf_fp4.nn.swap import convert_model
 
-    e, topk, hidden, inter, tokens = (4, 2, 64, 32, 64) if quick else (64, 8, 2048, 768, 16384)
+    e, topk, hidden, inter, tokens = (4, 2, 64, 32, 64) if quick else MOE_SHAPE
     cfg = Qwen3MoeConfig(hidden_size=hidden, moe_intermediate_size=inter, num_experts=e, num_experts_per_tok=topk)
     g = torch.Generator(device=dev).manual_seed(0)
     x = torch.randn(tokens, hidden, device=dev, generator=g).to(torch.bfloat16 if dev == "cuda" else torch.float32)
     logits = torch.randn(tokens, e, device=dev, generator=g)
     weights, index = torch.softmax(logits, -1).topk(topk, -1)
-    rows, base, base_captured = [], None, None
-    # hf_fp4:<preset> takes the grouped GEMMs (hf_fp4.nn.grouped: operands per expert group; FP8 grouped GEMMs for
-    # the MX family, BF16 ones with per-expert tensor scales for NVFP4 / UFP4); ":loop" runs the same preset's
-    # per-expert loop, side by side -- for the first preset only: a loop row costs ~0.3 s a step on the H200 and its
-    # kernels' compiles, and session 20's part (three presets, each with its loop) ran past 80 s without a row
-    loops = [f"hf_fp4:{presets[0]}:loop"] if presets else []
-    for name in ["bf16:grouped_mm", "bf16:eager"] + [f"hf_fp4:{p}" for p in presets] + loops:
+    for name in names:
         torch.manual_seed(0)
         holder = nn.Module()
         holder.config = cfg
@@ -583,6 +581,20 @@ def bench_moe(dev, quick, results, presets):
             with torch.autocast(dev, dtype=torch.bfloat16, enabled=dev == "cuda"):
                 out = module(xx, index, weights.to(xx.dtype))
             out.float().square().mean().backward()
+        yield name, step, f"E{e} top{topk} H{hidden} I{inter} T{tokens}"
+
+
+def bench_moe(dev, quick, results, presets):
+    """One MoE experts layer (issue 16) forward + backward: Transformers' bf16 implementations (grouped_mm,
+    eager) against hf_fp4's FP4 experts, same routing."""
+    # hf_fp4:<preset> takes the grouped GEMMs (hf_fp4.nn.grouped: operands per expert group; FP8 grouped GEMMs for
+    # the MX family, BF16 ones with per-expert tensor scales for NVFP4 / UFP4); ":loop" runs the same preset's
+    # per-expert loop, side by side -- for the first preset only: a loop row costs ~0.3 s a step on the H200 and its
+    # kernels' compiles, and session 20's part (three presets, each with its loop) ran past 80 s without a row
+    loops = [f"hf_fp4:{presets[0]}:loop"] if presets else []
+    names = ["bf16:grouped_mm", "bf16:eager"] + [f"hf_fp4:{p}" for p in presets] + loops
+    rows, base, base_captured, shape = [], None, None, None
+    for name, step, shape in moe_steps(dev, quick, names):
         try:
             ms = timed(step, [()], warmup=2, reps=5)
             # the GPU time alone (as the linear part's captured timing); not for the per-expert loops (bf16:eager,
@@ -593,15 +605,13 @@ def bench_moe(dev, quick, results, presets):
             rows.append([name, f"failed: {type(err).__name__}: {str(err)[:80]}", "", "", ""])
             continue
         base, base_captured = base or ms, base_captured or captured
-        results.setdefault("moe", []).append({"shape": f"E{e} top{topk} H{hidden} I{inter} T{tokens}", "impl": name,
-                                              "ms": round(ms, 4),
+        results.setdefault("moe", []).append({"shape": shape, "impl": name, "ms": round(ms, 4),
                                               "ms_captured": None if captured is None else round(captured, 4)})
         rows.append([name, f"{ms:.2f}", f"{base / ms:.2f}x"] + (
             ["-", "-"] if captured is None or base_captured is None
             else [f"{captured:.2f}", f"{base_captured / captured:.2f}x"]))
-    return md_table(f"MoE experts layer fwd+bwd, {e} experts top-{topk}, hidden {hidden}, expert {inter}, {tokens} "
-                    "tokens (ms, waited for; and one step captured in a CUDA graph, replayed: GPU time alone, '-' "
-                    "where capture fails; speed vs the first row)",
+    return md_table(f"MoE experts layer fwd+bwd, {shape} (ms, waited for; and one step captured in a CUDA graph, "
+                    "replayed: GPU time alone, '-' where capture fails; speed vs the first row)",
                     ["impl", "ms", "vs first", "ms captured", "vs first (captured)"], rows)
 
 

@@ -112,10 +112,15 @@ def main():
                    help="comma list of bench.py OPTIMIZERS labels (adamw, fp4_adamw, muon, muon+nvfp4_ns) or 'all': "
                         "one optimizer step each, op table, syncs")
     p.add_argument("--attention-tiles", action="store_true", help="flash kernels' ms per tile, against SDPA")
+    p.add_argument("--moe", default=None, help="bench.py's MoE layer: comma list of its impl names "
+                   "(bf16:grouped_mm, hf_fp4:<preset>, ...): GPU time per kernel and step")
     args = p.parse_args()
     dev = "cuda"
     if args.attention_tiles:
         attention_tiles(dev)
+        return
+    if args.moe:
+        profile_moe(dev, args.moe.split(","))
         return
     if args.optim:
         profile_optim(dev, args.optim.split(","))
@@ -404,6 +409,25 @@ def profile_bench_linear(dev: str, names: list[str], k: int = 4096, n: int = 409
                      f"to back, {captured} ms captured", waited, rows=14)
         del layer
         torch.cuda.empty_cache() if dev == "cuda" else None
+
+
+def profile_moe(dev: str, names: list[str], steps: int = 3) -> None:
+    """bench.py's MoE layer (issue 16): per impl, its waited time and torch.profiler's GPU time per kernel and step
+    -- where the FP4 grouped path loses against Transformers' bf16 grouped_mm (quantization passes, GEMMs)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench import moe_steps, timed
+
+    for name, step, shape in moe_steps(dev, False, names):
+        wall = timed(step, [()], warmup=2, reps=5)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                step()
+            torch.cuda.synchronize()
+        kernel_table(prof, steps, f"MoE {name} ({shape}): {wall:.2f} ms waited", wall, rows=24)
+        torch.cuda.empty_cache()
 
 
 def profile_e2e(name: str, steps: int = 3, model_name: str = "llama-1.1b") -> None:
