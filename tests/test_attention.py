@@ -106,14 +106,17 @@ def padding_part(keep):
     return keep | ~torch.ones(t, t, dtype=torch.bool).tril()
 
 
+@pytest.mark.parametrize("padding", [True, False])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("name", ["nvfp4", "mxfp4", "none"])
-def test_the_flash_forward_kernel_is_the_spec_within_the_bf16_rounding_of_p(name, causal):
+def test_the_flash_forward_kernel_is_the_spec_within_the_bf16_rounding_of_p(name, causal, padding):
     """hf_fp4.kernels.attention.flash_forward on the quantized Q^, K^, V^: within the spec's and the kernel's
     BF16 roundings of each P element plus FP32 accumulation of the float64 spec (causal + padding + a query that sees nothing, GQA
     expanded, ragged T over several key tiles); the unrounded P's product lies outside that bound.  causal: the
     kernel computes the causal part of the mask and skips the key tiles after each query block (16 x 32 tiles:
-    a skip bound one tile short would drop keys, outside the bound)."""
+    a skip bound one tile short would drop keys, outside the bound).  Without a padding mask the kernel runs the
+    tiles every row attends without masks (before the causal diagonal; every full tile without causal) and the
+    rest masked: a bound one tile too far would attend keys after a query, one too short only costs time."""
     from hf_fp4.nn.attention import quantize_rows, tensor_core_operand
     from hf_fp4.kernels.attention import flash_forward
 
@@ -122,17 +125,23 @@ def test_the_flash_forward_kernel_is_the_spec_within_the_bf16_rounding_of_p(name
     t = 70
     q, k, v = (torch.randn(B, H, t, D, generator=g) * s for s in (1.0, 1.0, 3.0))
     q[0, 0, 5] *= 30  # one sharp row: P near one-hot
-    keep = torch.ones(B, 1, t, t, dtype=torch.bool).tril()
-    keep[1, :, :, :9] = False
-    keep[1, :, 4] = False
+    keep = torch.ones(B, 1, t, t, dtype=torch.bool)
+    if causal or padding:
+        keep = keep.tril()
+    if padding:
+        keep[1, :, :, :9] = False
+        keep[1, :, 4] = False
     spec = None if name == "none" else QuantSpec.preset(name)
     qh, kh, vh = (quantize_rows(x, spec, 0) for x in (q, k, v))
     scale = D ** -0.5
-    # causal: only the padding part travels as a mask
-    kernel_keep, tile = (padding_part(keep), (16, 32)) if causal else (keep, None)
+    # causal: only the padding part travels as a mask; no padding: no mask at all
+    kernel_keep, tile = (padding_part(keep), (16, 32)) if causal else (keep, None if padding else (16, 32))
+    if not padding:
+        kernel_keep = None
 
     def kernel(q_, k_, v_, decodes=None):
-        return flash_forward(q_.to(dev), k_.to(dev), v_.to(dev), kernel_keep.to(dev), scale, decodes, tile,
+        keep_ = None if kernel_keep is None else kernel_keep.to(dev)
+        return flash_forward(q_.to(dev), k_.to(dev), v_.to(dev), keep_, scale, decodes, tile,
                              causal=causal).cpu().double()
 
     outs = [kernel(qh, kh, vh)]
@@ -157,7 +166,7 @@ def test_the_flash_forward_kernel_is_the_spec_within_the_bf16_rounding_of_p(name
     unrounded = p @ vh.double()
     for out in outs:
         assert torch.all((out - want).abs() <= bound), float(((out - want).abs() / bound).max())
-        assert torch.all(out[1, :, 4] == 0)
+        assert torch.all(out[1, :, 4] == 0) or not padding
         # the check can fail: a P product not rounded to BF16 is beyond it somewhere
         assert not torch.all((out - unrounded).abs() <= 2.0**-12 * mag + 1e-30)
 
@@ -170,12 +179,17 @@ BWD_SPECS = {"mxfp4": QuantSpec.preset("mxfp4"), "nvfp4": QuantSpec.preset("nvfp
 #: (dS spec, tensor cores, causal flag): every spec both ways; the causal flag (32 x 16 tiles, the query tiles
 #: before each key block skipped: 1D dS blocks one tile wide) with a nearest and a stochastically rounded dS
 #: and the 2D-tile dS
-BWD_CASES = [(name, tc, False) for name in sorted(BWD_SPECS) for tc in (False, True)] + [
-    ("nvfp4-sr", True, True), ("nvfp4", True, True), ("nvfp4_2d", True, True), ("nvfp4_2d", False, True)]
+BWD_CASES = [(name, tc, False, True) for name in sorted(BWD_SPECS) for tc in (False, True)] + [
+    ("nvfp4-sr", True, True, True), ("nvfp4", True, True, True), ("nvfp4_2d", True, True, True),
+    ("nvfp4_2d", False, True, True)] + [
+    # no padding mask: the tiles every row attends run unmasked (the causal diagonal's and the ragged tail masked)
+    ("nvfp4-sr", True, True, False), ("nvfp4_2d", True, True, False), ("nvfp4", True, False, False),
+    ("none", False, True, False)]
 
 
-@pytest.mark.parametrize("name,tensor_cores,causal", BWD_CASES)
-def test_the_flash_backward_quantizes_its_ds_as_the_spec_and_makes_the_spec_gradients(name, tensor_cores, causal):
+@pytest.mark.parametrize("name,tensor_cores,causal,padding", BWD_CASES)
+def test_the_flash_backward_quantizes_its_ds_as_the_spec_and_makes_the_spec_gradients(name, tensor_cores, causal,
+                                                                                      padding):
     """hf_fp4.kernels.attention.flash_backward, against the spec in float64: its dS (dumped) is the reference's
     within FP32 arithmetic; dQ and dK equal the products of *that* dS quantized by the reference quantizer
     (along keys / along queries with seed + 1 / one 2D tile for both) and K^ / Q^ within FP32 accumulation --
@@ -197,9 +211,12 @@ def test_the_flash_backward_quantizes_its_ds_as_the_spec_and_makes_the_spec_grad
         qh, kh, vh = (values.float() * dec for values, dec in ops)  # the spec's values
         decodes = torch.stack([dec for _, dec in ops]).to(dev)
         do = do.to(torch.bfloat16).float()
-    keep = torch.ones(1, 1, t, t, dtype=torch.bool).tril()
-    keep[..., :3] = False
-    keep[..., 2, :] = False
+    keep = torch.ones(1, 1, t, t, dtype=torch.bool)
+    if causal or padding:
+        keep = keep.tril()
+    if padding:
+        keep[..., :3] = False
+        keep[..., 2, :] = False
     scale = D ** -0.5
     s64 = (qh.double() @ kh.double().transpose(-1, -2) * scale).masked_fill(~keep, float("-inf"))
     p = torch.nan_to_num(torch.softmax(s64, -1), nan=0.0)
@@ -209,20 +226,22 @@ def test_the_flash_backward_quantizes_its_ds_as_the_spec_and_makes_the_spec_grad
     if tensor_cores:
         inputs = [ops[0][0], ops[1][0], ops[2][0], out, do.to(torch.bfloat16)]
     # causal: only the padding part travels as a mask (a skip bound one tile short would drop queries or keys)
-    kernel_keep, tile = (padding_part(keep), (32, 16)) if causal else (keep, None)
+    kernel_keep, tile = (padding_part(keep), (32, 16)) if causal else (keep, None if padding else (32, 16))
+    kernel_keep = kernel_keep.to(dev) if padding else None
     lse = None
     if tensor_cores:
-        lse = flash_forward(*(x.to(dev) for x in inputs[:3]), kernel_keep.to(dev), scale, decodes, tile, causal,
+        lse = flash_forward(*(x.to(dev) for x in inputs[:3]), kernel_keep, scale, decodes, tile, causal,
                             return_lse=True)[1]
         lse64 = torch.logsumexp(s64, -1)  # -inf for the query that sees nothing; the kernel's +inf marks it
-        assert torch.isinf(lse[0, :, 2]).all()
+        assert torch.isinf(lse[0, :, 2]).all() or not padding
         live = torch.isfinite(lse64)
         assert (lse.cpu().double()[live] - lse64[live]).abs().max() <= 1e-5
-    dq, dk, dv, dbg = (x.cpu().double() for x in flash_backward(*(x.to(dev) for x in inputs), kernel_keep.to(dev),
+    dq, dk, dv, dbg = (x.cpu().double() for x in flash_backward(*(x.to(dev) for x in inputs), kernel_keep,
                                                                  scale, spec, 7, decodes, tile, debug=True,
                                                                  causal=causal, lse=lse))
     assert (dbg - ds).abs().max() <= 1e-5 * ds.abs().max()
-    assert torch.all(dq[0, :, 2] == 0) and torch.all(dbg[0, :, 2] == 0)  # the query that sees nothing
+    if padding:
+        assert torch.all(dq[0, :, 2] == 0) and torch.all(dbg[0, :, 2] == 0)  # the query that sees nothing
     ds_keys, ds_queries = (x.double() for x in _ds_operands(dbg.float(), spec, 7))
     fp32 = t * 2.0**-24 + 2.0**-21  # FP32 accumulation over keys / queries, then the scale and decodes
 

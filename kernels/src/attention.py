@@ -26,7 +26,10 @@ from .numerics import quantize_tile, round_to_bf16, tensor_encode_scale
 #: overrides them), timed on the H200 (B1 H32 T4096 D128 causal, NVFP4 operands; `scripts/profile_fast_path.py
 #: --attention-tiles`, benchmarks/results-2026-12-02-session9.md): forward 64 x 32 x 4 0.60 ms (128 x 64 x 8:
 #: 0.69, 32 x 32 x 4: 1.10); backward 64 x 32 x 4 3.46 ms (32 x 64 x 4: 4.84, 64 x 64 x 8: 6.20) -- the
-#: backward's dK/dV kernel spills at 64 x 32 (ptxas -v) and is still the fastest.
+#: backward's dK/dV kernel spills at 64 x 32 (ptxas -v) and is still the fastest.  Those times are of the kernels
+#: before session 21, which masked every tile; now the tiles every row attends run without masks (_online_step's
+#: MASKED, _full_keys, _full_queries) and P V accumulates in the MMA's accumulator -- the defaults wait for a retiming
+#: (a tile argument may also give the pipeline stages: (rows, keys, warps, stages)).
 #: Every launch compiles with enable_fp_fusion=False: each product and sum is rounded on its own, as the
 #: reference (and the interpreter) round them.  With FMA contraction on, the code around the mask decides which
 #: multiply-adds fuse.  causal=True and the equivalent tril keep-mask still differ in low bits on the H200
@@ -91,13 +94,79 @@ def _query_start(pid_n, BM: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr
 
 
 @triton.jit
+def _full_keys(pid_m, BM: tl.constexpr, BN: tl.constexpr, TK, HAS_KEEP: tl.constexpr, CAUSAL: tl.constexpr):
+    """Keys [0, end) in whole BN tiles that every row of query block pid_m attends: none with a keep mask, the
+    tiles before the causal diagonal, every full tile otherwise (the forward's and dQ's unmasked loop)."""
+    full = 0
+    if not HAS_KEEP:
+        full = TK // BN * BN
+        if CAUSAL:  # a key before the block's first row is seen by all its rows
+            full = tl.minimum(full, pid_m * BM // BN * BN)
+    return full
+
+
+@triton.jit
+def _full_queries(pid_n, BM: tl.constexpr, BN: tl.constexpr, TQ, TK, HAS_KEEP: tl.constexpr,
+                  CAUSAL: tl.constexpr):
+    """(lo, hi): the query blocks from lo up to hi (multiples of BM from _query_start) attend every key of key
+    block pid_n -- none with a keep mask or a key block past TK; (lo, hi) = (start, start) then, every block
+    masked (dK / dV's loops: masked [start, lo), unmasked [lo, hi), masked [hi, TQ))."""
+    lo = _query_start(pid_n, BM, BN, CAUSAL)
+    hi = lo
+    if not HAS_KEEP and (pid_n + 1) * BN <= TK:
+        if CAUSAL:  # every row at or after the block's last key
+            lo = tl.minimum(tl.cdiv((pid_n + 1) * BN, BM) * BM, TQ)
+        hi = tl.maximum(lo, TQ // BM * BM)
+    return lo, hi
+
+
+@triton.jit
+def _dot_into(a, b, acc, TC: tl.constexpr, INTERPRETED: tl.constexpr):
+    """acc + a @ b, accumulated by the dot itself (on the tensor cores: the MMA's accumulator, no separate add)."""
+    if TC and not INTERPRETED:
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc)
+    return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+
+
+@triton.jit
+def _online_step(acc, m_i, l_i, q, k_ptrs, v_ptrs, keep_ptrs, rows, cols, TQ, TK, s_scale, HAS_KEEP: tl.constexpr,
+                 CAUSAL: tl.constexpr, MASKED: tl.constexpr, TC: tl.constexpr, INTERPRETED: tl.constexpr):
+    """One key tile of the online softmax: (acc, m, l) after keys `cols`.  MASKED=False: a tile every row of the
+    block attends in full (in range, below the causal diagonal, no keep mask) -- no mask is computed or loaded,
+    and no score is set to -inf; the row statistics and P are the same expressions as the masked tile's."""
+    if MASKED:
+        k = tl.load(k_ptrs, mask=cols[:, None] < TK, other=0.0)
+        v = tl.load(v_ptrs, mask=cols[:, None] < TK, other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    s = _dot(q, tl.trans(k), TC, INTERPRETED) * s_scale
+    if MASKED:
+        valid = _valid(rows, cols, TQ, TK, CAUSAL)
+        if HAS_KEEP:
+            valid = valid & (tl.load(keep_ptrs, mask=valid, other=0) != 0)
+        s = tl.where(valid, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    live = m_new > float("-inf")  # rows that have seen a key to attend
+    alpha = tl.where(live, tl.exp(m_i - tl.where(live, m_new, 0.0)), 1.0)
+    p = tl.exp(s - tl.where(live, m_new, 0.0)[:, None])
+    if MASKED:
+        p = tl.where(valid, p, 0.0)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = _dot_into(_bf16_values(p, TC, INTERPRETED), v, acc * alpha[:, None], TC, INTERPRETED)  # P in BF16
+    return acc, m_new, l_i
+
+
+@triton.jit
 def _flash_forward_kernel(q_ptr, k_ptr, v_ptr, dec_ptr, keep_ptr, o_ptr, lse_ptr, H, G, TQ, TK, scale,
                           sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
                           sm_b, sm_h, sm_q, sm_k, so_b, so_h, so_t,
                           BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, HAS_KEEP: tl.constexpr,
                           CAUSAL: tl.constexpr, TC: tl.constexpr, LSE: tl.constexpr, INTERPRETED: tl.constexpr):
     """O for a block of query rows; LSE: also each row's log-sum-exp (+inf for a row that sees nothing), the
-    backward's phase 0 (_lse_kernel) from the same online sums."""
+    backward's phase 0 (_lse_kernel) from the same online sums.  The key tiles run in two loops: first those
+    the whole block attends (no mask: every tile before the causal diagonal, or every full tile without causal;
+    none with a keep mask), then the rest with their masks -- the order of the sums is the key order either way."""
     pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
     b, h = pid_bh // H, pid_bh % H
     rows = pid_m * BM + tl.arange(0, BM)
@@ -107,26 +176,20 @@ def _flash_forward_kernel(q_ptr, k_ptr, v_ptr, dec_ptr, keep_ptr, o_ptr, lse_ptr
     m_i = tl.full([BM], float("-inf"), tl.float32)
     l_i = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, D], tl.float32)
-    for start in range(0, _key_end(pid_m, BM, TK, CAUSAL), BN):
+    k_base = k_ptr + b * sk_b + (h // G) * sk_h + d[None, :]
+    v_base = v_ptr + b * sv_b + (h // G) * sv_h + d[None, :]
+    keep_base = keep_ptr + b * sm_b + h * sm_h + rows[:, None] * sm_q
+    end, full = _key_end(pid_m, BM, TK, CAUSAL), _full_keys(pid_m, BM, BN, TK, HAS_KEEP, CAUSAL)
+    for start in range(0, full, BN):
         cols = start + tl.arange(0, BN)
-        k = tl.load(k_ptr + b * sk_b + (h // G) * sk_h + cols[:, None] * sk_t + d[None, :],
-                    mask=cols[:, None] < TK, other=0.0)
-        v = tl.load(v_ptr + b * sv_b + (h // G) * sv_h + cols[:, None] * sv_t + d[None, :],
-                    mask=cols[:, None] < TK, other=0.0)
-        s = _dot(q, tl.trans(k), TC, INTERPRETED) * s_scale
-        valid = _valid(rows, cols, TQ, TK, CAUSAL)
-        if HAS_KEEP:
-            keep = tl.load(keep_ptr + b * sm_b + h * sm_h + rows[:, None] * sm_q + cols[None, :] * sm_k,
-                           mask=valid, other=0)
-            valid = valid & (keep != 0)
-        s = tl.where(valid, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        live = m_new > float("-inf")  # rows that have seen a key to attend
-        alpha = tl.where(live, tl.exp(m_i - tl.where(live, m_new, 0.0)), 1.0)
-        p = tl.where(valid, tl.exp(s - tl.where(live, m_new, 0.0)[:, None]), 0.0)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + _dot(_bf16_values(p, TC, INTERPRETED), v, TC, INTERPRETED)  # P in BF16
-        m_i = m_new
+        acc, m_i, l_i = _online_step(acc, m_i, l_i, q, k_base + cols[:, None] * sk_t, v_base + cols[:, None] * sv_t,
+                                     keep_base + cols[None, :] * sm_k, rows, cols, TQ, TK, s_scale, HAS_KEEP,
+                                     CAUSAL, False, TC, INTERPRETED)
+    for start in range(full, end, BN):
+        cols = start + tl.arange(0, BN)
+        acc, m_i, l_i = _online_step(acc, m_i, l_i, q, k_base + cols[:, None] * sk_t, v_base + cols[:, None] * sv_t,
+                                     keep_base + cols[None, :] * sm_k, rows, cols, TQ, TK, s_scale, HAS_KEEP,
+                                     CAUSAL, True, TC, INTERPRETED)
     if LSE:
         tl.store(lse_ptr + pid_bh * TQ + rows, _row_lse(m_i, l_i), mask=rows < TQ)
     acc = acc * tl.load(dec_ptr + 2)
@@ -144,11 +207,11 @@ def _groups(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, name: str) -> 
     return heads // kv_heads
 
 
-def _tile(tile: tuple[int, ...] | None, default: tuple[int, int, int]) -> tuple[int, int, int]:
-    """(rows, keys, warps) from a tile argument (rows, keys[, warps]) or the default."""
-    if tile is None:
-        return default
-    return (*tile, 4) if len(tile) == 2 else tuple(tile)
+def _tile(tile: tuple[int, ...] | None, default: tuple[int, ...]) -> tuple[int, int, int, int]:
+    """(rows, keys, warps, pipeline stages) from a tile argument (rows, keys[, warps[, stages]]) or the default;
+    4 warps and 3 stages (Triton's default on sm_90) where not given."""
+    rows, keys, *rest = default if tile is None else tile
+    return rows, keys, rest[0] if rest else 4, rest[1] if len(rest) > 1 else 3
 
 
 def flash_forward(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, keep: torch.Tensor | None, scale: float,
@@ -180,13 +243,13 @@ def flash_forward(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, keep: to
         mask_strides = keep.stride()
     else:
         keep, mask_strides = torch.empty(1, dtype=torch.int8, device=qh.device), (0, 0, 0, 0)
-    bm, bn, warps = _tile(tile, FORWARD_TILE if tc else IEEE_TILE)
+    bm, bn, warps, stages = _tile(tile, FORWARD_TILE if tc else IEEE_TILE)
     grid = (triton.cdiv(tq, bm), bsz * heads)
     launcher(_flash_forward_kernel)[grid](
         qh, kh, vh, decodes.float(), keep, out, lse, heads, groups, tq, tk, float(scale), *qh.stride()[:3],
         *kh.stride()[:3], *vh.stride()[:3], *mask_strides, *out.stride()[:3], BM=bm, BN=bn, D=dim,
         HAS_KEEP=has_keep, CAUSAL=causal, TC=tc, LSE=return_lse, INTERPRETED=not qh.is_cuda, num_warps=warps,
-        enable_fp_fusion=False)
+        num_stages=stages, enable_fp_fusion=False)
     return (out, lse) if return_lse else out
 
 
@@ -212,8 +275,13 @@ def _kv_offset(b, h, H, G, TK, D: tl.constexpr):
 
 @triton.jit
 def _scores(q, k_ptr, kb, cols, d, sk_t, TK, keep_ptr, mb, rows, sm_q, sm_k, TQ, s_scale,
-            HAS_KEEP: tl.constexpr, CAUSAL: tl.constexpr, TC: tl.constexpr, INTERPRETED: tl.constexpr):
-    """S tile [BM, BN] (masked entries -inf) and the key tile it used."""
+            HAS_KEEP: tl.constexpr, CAUSAL: tl.constexpr, TC: tl.constexpr, INTERPRETED: tl.constexpr,
+            MASKED: tl.constexpr = True):
+    """S tile [BM, BN] (masked entries -inf) and the key tile it used.  MASKED=False: a tile every row attends
+    in full (_online_step's), no mask computed or loaded."""
+    if not MASKED:
+        k = tl.load(k_ptr + kb + cols[:, None] * sk_t + d[None, :])
+        return _dot(q, tl.trans(k), TC, INTERPRETED) * s_scale, k
     k = tl.load(k_ptr + kb + cols[:, None] * sk_t + d[None, :], mask=cols[:, None] < TK, other=0.0)
     s = _dot(q, tl.trans(k), TC, INTERPRETED) * s_scale
     valid = _valid(rows, cols, TQ, TK, CAUSAL)
@@ -275,6 +343,37 @@ def _lse_kernel(q_ptr, k_ptr, v_ptr, dec_ptr, do_ptr, delta_ptr, lse_ptr, stat_p
 
 
 @triton.jit
+def _dq_step(dq, amax, start, q, do, lse, delta, k_ptr, v_ptr, kb, keep_ptr, mb, stat_ptr, dbg_ptr, seed, pid_bh,
+             rows, d, TQ, TK, TQ_ROWS, KP_Q, sm_q, sm_k, s_scale, dec_v, BM: tl.constexpr, BN: tl.constexpr,
+             D: tl.constexpr, HAS_KEEP: tl.constexpr, CAUSAL: tl.constexpr, PHASE: tl.constexpr,
+             QUANT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, GRID: tl.constexpr, QMAX: tl.constexpr,
+             QM: tl.constexpr, QE: tl.constexpr, EMAX: tl.constexpr, SCALE: tl.constexpr, SR: tl.constexpr,
+             DEBUG: tl.constexpr, TC: tl.constexpr, INTERPRETED: tl.constexpr, MASKED: tl.constexpr):
+    """One key tile of phase 1 (dS's row maxima into amax) or 2 (dQ += Q_keys(dS) K^)."""
+    cols = start + tl.arange(0, BN)
+    s, k = _scores(q, k_ptr, kb, cols, d, D, TK, keep_ptr, mb, rows, sm_q, sm_k, TQ, s_scale, HAS_KEEP,
+                   CAUSAL, TC, INTERPRETED, MASKED)
+    if MASKED:
+        v = tl.load(v_ptr + kb + cols[:, None] * D + d[None, :], mask=cols[:, None] < TK, other=0.0)
+    else:
+        v = tl.load(v_ptr + kb + cols[:, None] * D + d[None, :])
+    p, ds = _probs_and_ds(s, lse, do, v, delta, dec_v, TC, INTERPRETED)
+    if PHASE == 1:
+        amax = tl.maximum(amax, tl.max(tl.abs(ds), axis=1))
+    else:
+        if DEBUG:
+            tl.store(dbg_ptr + pid_bh * TQ * TK + rows[:, None] * TK + cols[None, :], ds,
+                     mask=(rows[:, None] < TQ) & (cols[None, :] < TK))
+        if QUANT:  # along keys: rows of the flattened [B H TQ_ROWS, KP_Q] matrix
+            vals, vals_dec = quantize_tile(ds, stat_ptr, seed, pid_bh * TQ_ROWS + rows, start, KP_Q, BM, BN,
+                                           BR, BC, GRID, QMAX, QM, QE, EMAX, SCALE, SR)
+            dq += _dot(vals, k, TC, INTERPRETED)
+        else:
+            dq += _dot(ds, k, False, INTERPRETED)
+    return dq, amax
+
+
+@triton.jit
 def _dq_kernel(q_ptr, k_ptr, v_ptr, dec_ptr, do_ptr, delta_ptr, lse_ptr, stat_ptr, keep_ptr,
                dq_ptr, dk_ptr, dv_ptr, dbg_ptr, seed, H, G, TQ, TK, TQ_ROWS, TK_ROWS, KP_Q, KP_K, scale,
                sm_b, sm_h, sm_q, sm_k,
@@ -297,28 +396,58 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, dec_ptr, do_ptr, delta_ptr, lse_ptr, stat_pt
     delta = tl.load(delta_ptr + pid_bh * TQ + rows, mask=rows < TQ, other=0.0)
     dq = tl.zeros([BM, D], tl.float32)
     amax = tl.zeros([BM], tl.float32)
-    for start in range(0, _key_end(pid, BM, TK, CAUSAL), BN):
-        cols = start + tl.arange(0, BN)
-        s, k = _scores(q, k_ptr, kb, cols, d, D, TK, keep_ptr, mb, rows, sm_q, sm_k, TQ, s_scale, HAS_KEEP,
-                       CAUSAL, TC, INTERPRETED)
-        v = tl.load(v_ptr + kb + cols[:, None] * D + d[None, :], mask=cols[:, None] < TK, other=0.0)
-        p, ds = _probs_and_ds(s, lse, do, v, delta, dec_v, TC, INTERPRETED)
-        if PHASE == 1:
-            amax = tl.maximum(amax, tl.max(tl.abs(ds), axis=1))
-        else:
-            if DEBUG:
-                tl.store(dbg_ptr + pid_bh * TQ * TK + rows[:, None] * TK + cols[None, :], ds,
-                         mask=(rows[:, None] < TQ) & (cols[None, :] < TK))
-            if QUANT:  # along keys: rows of the flattened [B H TQ_ROWS, KP_Q] matrix
-                vals, vals_dec = quantize_tile(ds, stat_ptr, seed, pid_bh * TQ_ROWS + rows, start, KP_Q, BM, BN,
-                                               BR, BC, GRID, QMAX, QM, QE, EMAX, SCALE, SR)
-                dq += _dot(vals, k, TC, INTERPRETED)
-            else:
-                dq += _dot(ds, k, False, INTERPRETED)
+    full = _full_keys(pid, BM, BN, TK, HAS_KEEP, CAUSAL)
+    for start in range(0, full, BN):  # the tiles every row attends: no mask (as the forward's)
+        dq, amax = _dq_step(dq, amax, start, q, do, lse, delta, k_ptr, v_ptr, kb, keep_ptr, mb, stat_ptr, dbg_ptr,
+                            seed, pid_bh, rows, d, TQ, TK, TQ_ROWS, KP_Q, sm_q, sm_k, s_scale, dec_v, BM, BN, D,
+                            HAS_KEEP, CAUSAL, PHASE, QUANT, BR, BC, GRID, QMAX, QM, QE, EMAX, SCALE, SR, DEBUG, TC,
+                            INTERPRETED, False)
+    for start in range(full, _key_end(pid, BM, TK, CAUSAL), BN):
+        dq, amax = _dq_step(dq, amax, start, q, do, lse, delta, k_ptr, v_ptr, kb, keep_ptr, mb, stat_ptr, dbg_ptr,
+                            seed, pid_bh, rows, d, TQ, TK, TQ_ROWS, KP_Q, sm_q, sm_k, s_scale, dec_v, BM, BN, D,
+                            HAS_KEEP, CAUSAL, PHASE, QUANT, BR, BC, GRID, QMAX, QM, QE, EMAX, SCALE, SR, DEBUG, TC,
+                            INTERPRETED, True)
     if PHASE == 1:
         tl.atomic_max(stat_ptr, tl.max(amax, axis=0))
     else:
         tl.store(dq_ptr + qb + rows[:, None] * D + d[None, :], dq * (ds_dec * dec_k * scale), mask=rows[:, None] < TQ)
+
+
+@triton.jit
+def _dkdv_step(dk, dv, start, pid, pid_bh, cols, v, q_ptr, do_ptr, lse_ptr, delta_ptr, k_ptr, kb, qb, keep_ptr, mb,
+               stat_ptr, seed, d, TQ, TK, TQ_ROWS, TK_ROWS, KP_Q, KP_K, sm_q, sm_k, s_scale, dec_v,
+               BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, HAS_KEEP: tl.constexpr, CAUSAL: tl.constexpr,
+               QUANT: tl.constexpr, SQUARE: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, GRID: tl.constexpr,
+               QMAX: tl.constexpr, QM: tl.constexpr, QE: tl.constexpr, EMAX: tl.constexpr, SCALE: tl.constexpr,
+               SR: tl.constexpr, TC: tl.constexpr, INTERPRETED: tl.constexpr, MASKED: tl.constexpr):
+    """One query tile of phase 3: dV += bf16(P)^T dO, dK += Q_queries(dS)^T Q^ (or the 2D tile's)."""
+    rows = start + tl.arange(0, BM)
+    if MASKED:
+        q = tl.load(q_ptr + qb + rows[:, None] * D + d[None, :], mask=rows[:, None] < TQ, other=0.0)
+        do = tl.load(do_ptr + qb + rows[:, None] * D + d[None, :], mask=rows[:, None] < TQ, other=0.0)
+        lse = tl.load(lse_ptr + pid_bh * TQ + rows, mask=rows < TQ, other=float("inf"))
+        delta = tl.load(delta_ptr + pid_bh * TQ + rows, mask=rows < TQ, other=0.0)
+    else:
+        q = tl.load(q_ptr + qb + rows[:, None] * D + d[None, :])
+        do = tl.load(do_ptr + qb + rows[:, None] * D + d[None, :])
+        lse = tl.load(lse_ptr + pid_bh * TQ + rows)
+        delta = tl.load(delta_ptr + pid_bh * TQ + rows)
+    s, k = _scores(q, k_ptr, kb, cols, d, D, TK, keep_ptr, mb, rows, sm_q, sm_k, TQ, s_scale, HAS_KEEP,
+                   CAUSAL, TC, INTERPRETED, MASKED)
+    p, ds = _probs_and_ds(s, lse, do, v, delta, dec_v, TC, INTERPRETED)
+    dv += _dot(tl.trans(_bf16_values(p, TC, INTERPRETED)), do, TC, INTERPRETED)
+    if QUANT:
+        if SQUARE:  # one 2D-tile quantization serves both GEMMs
+            vals, vals_dec = quantize_tile(ds, stat_ptr, seed, pid_bh * TQ_ROWS + rows, pid * BN, KP_Q, BM, BN,
+                                           BR, BC, GRID, QMAX, QM, QE, EMAX, SCALE, SR)
+            dk += _dot(tl.trans(vals), q, TC, INTERPRETED)
+        else:  # along queries: rows of the flattened [B H TK_ROWS, KP_K] matrix of dS^T, seed + 1
+            vals, vals_dec = quantize_tile(tl.trans(ds), stat_ptr, seed + 1, pid_bh * TK_ROWS + cols, start,
+                                           KP_K, BN, BM, BR, BC, GRID, QMAX, QM, QE, EMAX, SCALE, SR)
+            dk += _dot(vals, q, TC, INTERPRETED)
+    else:
+        dk += _dot(tl.trans(ds), q, False, INTERPRETED)
+    return dk, dv
 
 
 @triton.jit
@@ -341,27 +470,23 @@ def _dkdv_kernel(q_ptr, k_ptr, v_ptr, dec_ptr, do_ptr, delta_ptr, lse_ptr, stat_
     v = tl.load(v_ptr + kb + cols[:, None] * D + d[None, :], mask=cols[:, None] < TK, other=0.0)
     dk = tl.zeros([BN, D], tl.float32)
     dv = tl.zeros([BN, D], tl.float32)
-    for start in range(_query_start(pid, BM, BN, CAUSAL), TQ, BM):
-        rows = start + tl.arange(0, BM)
-        q = tl.load(q_ptr + qb + rows[:, None] * D + d[None, :], mask=rows[:, None] < TQ, other=0.0)
-        do = tl.load(do_ptr + qb + rows[:, None] * D + d[None, :], mask=rows[:, None] < TQ, other=0.0)
-        lse = tl.load(lse_ptr + pid_bh * TQ + rows, mask=rows < TQ, other=float("inf"))
-        delta = tl.load(delta_ptr + pid_bh * TQ + rows, mask=rows < TQ, other=0.0)
-        s, k = _scores(q, k_ptr, kb, cols, d, D, TK, keep_ptr, mb, rows, sm_q, sm_k, TQ, s_scale, HAS_KEEP,
-                       CAUSAL, TC, INTERPRETED)
-        p, ds = _probs_and_ds(s, lse, do, v, delta, dec_v, TC, INTERPRETED)
-        dv += _dot(tl.trans(_bf16_values(p, TC, INTERPRETED)), do, TC, INTERPRETED)
-        if QUANT:
-            if SQUARE:  # one 2D-tile quantization serves both GEMMs
-                vals, vals_dec = quantize_tile(ds, stat_ptr, seed, pid_bh * TQ_ROWS + rows, pid * BN, KP_Q, BM, BN,
-                                               BR, BC, GRID, QMAX, QM, QE, EMAX, SCALE, SR)
-                dk += _dot(tl.trans(vals), q, TC, INTERPRETED)
-            else:  # along queries: rows of the flattened [B H TK_ROWS, KP_K] matrix of dS^T, seed + 1
-                vals, vals_dec = quantize_tile(tl.trans(ds), stat_ptr, seed + 1, pid_bh * TK_ROWS + cols, start,
-                                               KP_K, BN, BM, BR, BC, GRID, QMAX, QM, QE, EMAX, SCALE, SR)
-                dk += _dot(vals, q, TC, INTERPRETED)
-        else:
-            dk += _dot(tl.trans(ds), q, False, INTERPRETED)
+    # query blocks in order: masked [start, lo) (the causal diagonal), unmasked [lo, hi), masked [hi, TQ)
+    lo, hi = _full_queries(pid, BM, BN, TQ, TK, HAS_KEEP, CAUSAL)
+    for start in range(_query_start(pid, BM, BN, CAUSAL), lo, BM):
+        dk, dv = _dkdv_step(dk, dv, start, pid, pid_bh, cols, v, q_ptr, do_ptr, lse_ptr, delta_ptr, k_ptr, kb, qb,
+                            keep_ptr, mb, stat_ptr, seed, d, TQ, TK, TQ_ROWS, TK_ROWS, KP_Q, KP_K, sm_q, sm_k,
+                            s_scale, dec_v, BM, BN, D, HAS_KEEP, CAUSAL, QUANT, SQUARE, BR, BC, GRID, QMAX, QM, QE,
+                            EMAX, SCALE, SR, TC, INTERPRETED, True)
+    for start in range(lo, hi, BM):
+        dk, dv = _dkdv_step(dk, dv, start, pid, pid_bh, cols, v, q_ptr, do_ptr, lse_ptr, delta_ptr, k_ptr, kb, qb,
+                            keep_ptr, mb, stat_ptr, seed, d, TQ, TK, TQ_ROWS, TK_ROWS, KP_Q, KP_K, sm_q, sm_k,
+                            s_scale, dec_v, BM, BN, D, HAS_KEEP, CAUSAL, QUANT, SQUARE, BR, BC, GRID, QMAX, QM, QE,
+                            EMAX, SCALE, SR, TC, INTERPRETED, False)
+    for start in range(hi, TQ, BM):
+        dk, dv = _dkdv_step(dk, dv, start, pid, pid_bh, cols, v, q_ptr, do_ptr, lse_ptr, delta_ptr, k_ptr, kb, qb,
+                            keep_ptr, mb, stat_ptr, seed, d, TQ, TK, TQ_ROWS, TK_ROWS, KP_Q, KP_K, sm_q, sm_k,
+                            s_scale, dec_v, BM, BN, D, HAS_KEEP, CAUSAL, QUANT, SQUARE, BR, BC, GRID, QMAX, QM, QE,
+                            EMAX, SCALE, SR, TC, INTERPRETED, True)
     tl.store(dk_ptr + ob + cols[:, None] * D + d[None, :], dk * (ds_dec * dec_q * scale), mask=cols[:, None] < TK)
     tl.store(dv_ptr + ob + cols[:, None] * D + d[None, :], dv, mask=cols[:, None] < TK)
 
@@ -412,7 +537,7 @@ def flash_backward(qh, kh, vh, out, d_out, keep, scale: float, ds_spec, seed: in
         mask_strides = keep_t.stride()
     else:
         keep_t, mask_strides = torch.empty(1, dtype=torch.int8, device=dev), (0, 0, 0, 0)
-    bm, bn, warps = _tile(tile, BACKWARD_TILE if tc else IEEE_TILE)
+    bm, bn, warps, stages = _tile(tile, BACKWARD_TILE if tc else IEEE_TILE)
     quant = dict(QUANT=False, SQUARE=False, BR=1, BC=16, **grid_constants(Grid.E2M1), SCALE=0, SR=False)
     rows_q, rows_k, kp_q, kp_k = tq, tk, tk, tq
     if ds_spec is not None:
@@ -435,5 +560,6 @@ def flash_backward(qh, kh, vh, out, d_out, keep, scale: float, ds_spec, seed: in
     kernels = {0: _lse_kernel, 1: _dq_kernel, 2: _dq_kernel, 3: _dkdv_kernel}
     for phase in phases:
         grid = (triton.cdiv(tk, bn) if phase == 3 else triton.cdiv(tq, bm), bsz * heads)
-        launcher(kernels[phase])[grid](*args, PHASE=phase, num_warps=warps, enable_fp_fusion=False, **consts)
+        launcher(kernels[phase])[grid](*args, PHASE=phase, num_warps=warps, num_stages=stages, enable_fp_fusion=False,
+                                       **consts)
     return (dq, dk, dv, dbg) if debug else (dq, dk, dv)
