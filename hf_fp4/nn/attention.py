@@ -191,8 +191,8 @@ class FP4AttentionFunction(torch.autograd.Function):
                 qh, kh, vh = (o[0] for o in ops)
             else:  # FP32 values: the IEEE path
                 qh, kh, vh = (o[0].float() * o[1] if o is not None else quantize_rows(*a) for o, a in zip(ops, args))
-            out, lse = flash_forward(qh, kh, vh, keep, scale, decodes, causal=causal, return_lse=True)
-            out = out.to(q.dtype)
+            out, lse = flash_forward(qh, kh, vh, keep, scale, decodes, causal=causal, return_lse=True,
+                                     out_dtype=q.dtype)  # rounded by the kernel's store, as .to(q.dtype)
         else:
             qh, kh, vh = (quantize_rows(*a) for a in args)
             groups = q.shape[1] // k.shape[1]

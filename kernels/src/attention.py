@@ -195,6 +195,8 @@ def _flash_forward_kernel(q_ptr, k_ptr, v_ptr, dec_ptr, keep_ptr, o_ptr, lse_ptr
     acc = acc * tl.load(dec_ptr + 2)
     # a row that attends to no key is 0; a NaN sum (a NaN score or value) stays NaN -- never a silent 0
     out = tl.where(l_i[:, None] == 0, 0.0, acc / tl.where(l_i == 0, 1.0, l_i)[:, None])
+    if INTERPRETED and o_ptr.dtype.element_ty == tl.bfloat16:  # the store rounds to nearest on the GPU only
+        out = round_to_bf16(out)
     tl.store(o_ptr + b * so_b + h * so_h + rows[:, None] * so_t + d[None, :], out, mask=rows[:, None] < TQ)
 
 
@@ -216,9 +218,10 @@ def _tile(tile: tuple[int, ...] | None, default: tuple[int, ...]) -> tuple[int, 
 
 def flash_forward(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, keep: torch.Tensor | None, scale: float,
                   decodes: torch.Tensor | None = None, tile: tuple[int, ...] | None = None,
-                  causal: bool = False, return_lse: bool = False):
-    """O [B, H, TQ, D] in FP32 from Q^ [B, H, TQ, D], K^ and V^ [B, H / G, TK, D] (G query heads share a key
-    head) and a boolean keep mask
+                  causal: bool = False, return_lse: bool = False, out_dtype: torch.dtype = torch.float32):
+    """O [B, H, TQ, D] in out_dtype (FP32 by default; a BF16 O is the FP32 one rounded to nearest by the kernel's
+    store, as .to(torch.bfloat16) rounds it, without the FP32 tensor) from Q^ [B, H, TQ, D], K^ and V^
+    [B, H / G, TK, D] (G query heads share a key head) and a boolean keep mask
     broadcastable to [B, H, TQ, TK] (or None); causal: also key <= query (computed, no mask read; the key
     tiles after a query block are skipped).  FP32 operands are the values themselves (IEEE dots); BF16
     operands are exact values whose tensor decode scales are `decodes` [3] (Q^ = q decodes[0], ...): the
@@ -235,7 +238,9 @@ def flash_forward(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, keep: to
     qh, kh, vh = (t.contiguous() for t in (qh, kh, vh))
     if decodes is None:
         decodes = torch.ones(3, dtype=torch.float32, device=qh.device)
-    out = torch.empty(qh.shape, dtype=torch.float32, device=qh.device)
+    if out_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"flash_forward: out_dtype {out_dtype} is not float32 or bfloat16")
+    out = torch.empty(qh.shape, dtype=out_dtype, device=qh.device)
     lse = torch.empty((bsz, heads, tq) if return_lse else (1,), dtype=torch.float32, device=qh.device)
     has_keep = keep is not None
     if has_keep:
