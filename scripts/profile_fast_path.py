@@ -114,6 +114,8 @@ def main():
     p.add_argument("--attention-tiles", action="store_true", help="flash kernels' ms per tile, against SDPA")
     p.add_argument("--moe", default=None, help="bench.py's MoE layer: comma list of its impl names "
                    "(bf16:grouped_mm, hf_fp4:<preset>, ...): GPU time per kernel and step")
+    p.add_argument("--moe-tiles", default=None, help="bench.py's MoE layer, captured ms per grouped-GEMM tile "
+                   "(hf_fp4.kernels.grouped_gemm.TILE / FP8_TILE) for a comma list of presets")
     args = p.parse_args()
     dev = "cuda"
     if args.attention_tiles:
@@ -121,6 +123,9 @@ def main():
         return
     if args.moe:
         profile_moe(dev, args.moe.split(","))
+        return
+    if args.moe_tiles:
+        moe_tiles(dev, args.moe_tiles.split(","))
         return
     if args.optim:
         profile_optim(dev, args.optim.split(","))
@@ -428,6 +433,39 @@ def profile_moe(dev: str, names: list[str], steps: int = 3) -> None:
             torch.cuda.synchronize()
         kernel_table(prof, steps, f"MoE {name} ({shape}): {wall:.2f} ms waited", wall, rows=24)
         torch.cuda.empty_cache()
+
+
+def moe_tiles(dev: str, presets: list[str]) -> None:
+    """bench.py's MoE layer (one fwd + bwd captured in a CUDA graph: GPU time alone) per tile of the grouped GEMMs
+    -- TILE for the BF16 kernels (NVFP4 / UFP4), FP8_TILE for the FP8 ones (the MX family) -- against Transformers'
+    bf16 grouped_mm in the same run."""
+    import sys
+    from pathlib import Path
+
+    from hf_fp4.kernels import grouped_gemm
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench import captured_ms, moe_steps
+
+    (_, step, shape), = moe_steps(dev, False, ["bf16:grouped_mm"])
+    base = captured_ms(step, ())
+    print(f"MoE {shape}: bf16 grouped_mm {base:.3f} ms captured")
+    tiles = [(128, 128, 64, 8, 3), (128, 128, 64, 4, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3),
+             (64, 128, 64, 4, 4), (128, 64, 64, 4, 4), (128, 128, 128, 8, 3), (128, 256, 128, 8, 3),
+             (128, 128, 128, 8, 4), (64, 256, 128, 8, 3)]
+    default = (grouped_gemm.TILE, grouped_gemm.FP8_TILE)
+    for name in presets:
+        attr = "FP8_TILE" if name.startswith("mx") or name == "tib" else "TILE"
+        for tile in tiles:
+            setattr(grouped_gemm, attr, tile)
+            try:
+                (_, step, _), = moe_steps(dev, False, [f"hf_fp4:{name}"])
+                ms = captured_ms(step, ())
+                print(f"| {name} | {attr} {tile} | {ms:.3f} ms | {base / ms:.2f}x bf16 |", flush=True)
+            except Exception as err:  # noqa: BLE001 - a tile the GPU cannot run (shared memory)
+                print(f"| {name} | {attr} {tile} | {type(err).__name__}: {str(err)[:100]} |", flush=True)
+            torch.cuda.empty_cache()
+        grouped_gemm.TILE, grouped_gemm.FP8_TILE = default
 
 
 def profile_e2e(name: str, steps: int = 3, model_name: str = "llama-1.1b") -> None:

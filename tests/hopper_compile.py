@@ -137,9 +137,9 @@ def group_stats_kernel_args(a: OperandPlan | None, b: OperandPlan | None):
 
 def grouped_gemm_cases():
     """The grouped GEMM kernels: BF16 operands with per-expert tensor scales, and FP8 operands (MXFP4's blocks)."""
-    bm, bn, bk, warps, _ = grouped_gemm.TILE
     sizes = ("lda", "ldb", "ld_out", "N", "K", "M", "b_step", "bs_step", "as_step", "bf_step")
     for fp8 in (False, True):
+        bm, bn, bk, warps, _ = grouped_gemm.FP8_TILE if fp8 else grouped_gemm.TILE
         consts = dict(BM=bm, BN=bn, BK=bk, FP8=fp8, SCALED=not fp8, OUT_BF16=True, INTERPRETED=False)
         types = {"out_ptr": "*bf16", "ends_ptr": "*i32", **{f"{p}{s}": t for p in ("a", "b") for s, t in (
             ("", "*fp8e4nv" if fp8 else "*bf16"), ("_scale", "*fp32"), ("_flags", "*i8"), ("_x", "*bf16"))}}

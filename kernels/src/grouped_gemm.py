@@ -27,9 +27,11 @@ from .gemm import _kernel_device, default_programs, exact_copies
 from .launch import launcher
 from .numerics import bf16_bits
 
-#: (BM, BN, BK, warps, stages): 128 x 128 output tiles, 64-deep steps -- Triton's Hopper GEMM shape; untimed
-#: on the H200 for these kernels yet.
+#: (BM, BN, BK, warps, stages) of the BF16 kernels and of the FP8 ones: 128 x 128 output tiles, 64-deep steps --
+#: Triton's Hopper GEMM shape; untimed on the GPU for these kernels yet (`scripts/profile_fast_path.py
+#: --moe-tiles` times bench.py's MoE layer per tile: set these module attributes to change them).
 TILE = (128, 128, 64, 8, 3)
+FP8_TILE = (128, 128, 64, 8, 3)
 
 
 @triton.jit
@@ -186,7 +188,7 @@ def _bf16_args(a: torch.Tensor, b: torch.Tensor, a_scale, b_scale) -> tuple[list
 
 
 def _launch_rows(out, a_args, b_args, steps, ends, n, k, fp8, scaled):
-    bm, bn, bk, warps, stages = TILE
+    bm, bn, bk, warps, stages = FP8_TILE if fp8 else TILE
     dev = out.device
     launcher(_grouped_rows_kernel)[(default_programs(out),)](
         *a_args, *b_args, *steps, out, out.stride(0), ends, ends.shape[0], n, k, BM=bm, BN=bn, BK=bk, FP8=fp8,
@@ -195,7 +197,7 @@ def _launch_rows(out, a_args, b_args, steps, ends, n, k, fp8, scaled):
 
 
 def _launch_contraction(out, a_args, b_args, scale_steps, ends, fp8, scaled):
-    bm, bn, bk, warps, stages = TILE
+    bm, bn, bk, warps, stages = FP8_TILE if fp8 else TILE
     num, m, n = out.shape
     launcher(_grouped_contraction_kernel)[(triton.cdiv(m, bm) * triton.cdiv(n, bn), num)](
         *a_args, scale_steps[0], *b_args, scale_steps[1], out, ends, m, n, BM=bm, BN=bn, BK=bk, FP8=fp8,
