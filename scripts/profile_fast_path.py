@@ -114,6 +114,8 @@ def main():
     p.add_argument("--attention-tiles", action="store_true", help="flash kernels' ms per tile, against SDPA")
     p.add_argument("--moe", default=None, help="bench.py's MoE layer: comma list of its impl names "
                    "(bf16:grouped_mm, hf_fp4:<preset>, ...): GPU time per kernel and step")
+    p.add_argument("--correction-tiles", action="store_true", help="the FP8 GEMMs' exact correction per tile "
+                   "(gemm.CORRECTION_TILE): mxfp4's linear step on spread inputs, captured ms against bf16")
     p.add_argument("--moe-tiles", default=None, help="bench.py's MoE layer, captured ms per grouped-GEMM tile "
                    "(hf_fp4.kernels.grouped_gemm.TILE / FP8_TILE) for a comma list of presets")
     args = p.parse_args()
@@ -123,6 +125,9 @@ def main():
         return
     if args.moe:
         profile_moe(dev, args.moe.split(","))
+        return
+    if args.correction_tiles:
+        correction_tiles(dev)
         return
     if args.moe_tiles:
         moe_tiles(dev, args.moe_tiles.split(","))
@@ -433,6 +438,40 @@ def profile_moe(dev: str, names: list[str], steps: int = 3) -> None:
             torch.cuda.synchronize()
         kernel_table(prof, steps, f"MoE {name} ({shape}): {wall:.2f} ms waited", wall, rows=24)
         torch.cuda.empty_cache()
+
+
+def correction_tiles(dev: str, k: int = 4096, n: int = 4096, tokens: int = 8192) -> None:
+    """bench.py's linear_spread step (every wgrad tile flagged, so the correction recomputes all of it) for mxfp4,
+    captured ms per tile of the correction's BF16 GEMM (hf_fp4.kernels.gemm.CORRECTION_TILE), beside bf16 and
+    mxfp4 on unspread inputs in the same run: the correction's cost is the spread row minus the unspread one."""
+    import sys
+    from pathlib import Path
+
+    from hf_fp4.kernels import gemm
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench import captured_ms, linear_impls, linear_step, spread_rows
+
+    def inputs(make):
+        return (make(torch.randn(tokens, k, device=dev, dtype=torch.bfloat16)).requires_grad_(),
+                make(torch.randn(tokens, n, device=dev, dtype=torch.bfloat16)))
+
+    plain, spread = inputs(lambda t: t), inputs(spread_rows)
+    (_, bf16), = linear_impls(k, n, dev, ["bf16"])
+    base = captured_ms(functools.partial(linear_step, bf16), plain)
+    (_, layer), = linear_impls(k, n, dev, ["hf_fp4:mxfp4"])
+    unflagged = captured_ms(functools.partial(linear_step, layer), plain)
+    print(f"{k}x{n}, {tokens} tokens, captured: bf16 {base:.3f} ms, mxfp4 unspread {unflagged:.3f} ms")
+    default = gemm.CORRECTION_TILE
+    for tile in ((128, 128, 64, 8, 3), (128, 128, 64, 4, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3),
+                 (256, 128, 64, 8, 3), (128, 128, 32, 4, 4), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4)):
+        gemm.CORRECTION_TILE = tile
+        try:
+            ms = captured_ms(functools.partial(linear_step, layer), spread)
+            print(f"| {tile} | {ms:.3f} ms | correction ~{ms - unflagged:.3f} ms | {base / ms:.2f}x bf16 |", flush=True)
+        except Exception as err:  # noqa: BLE001 - a tile the GPU cannot run (shared memory)
+            print(f"| {tile} | {type(err).__name__}: {str(err)[:100]} |", flush=True)
+    gemm.CORRECTION_TILE = default
 
 
 def moe_tiles(dev: str, presets: list[str]) -> None:

@@ -177,14 +177,24 @@ def exact_copies(a, b, a_layout: tuple, b_layout: tuple, programs: int | None = 
     return a_x, b_x
 
 
+#: The flagged tiles' BF16 GEMM (step 2b): (BM, BN, BK, warps, stages).  On spread inputs (every wgrad tile
+#: flagged) it ran at roughly a third of cuBLAS's BF16 speed on the H100 (benchmarks/results-2026-12-06-session21.md);
+#: `scripts/profile_fast_path.py --correction-tiles` times others (set this module attribute to change it).
+CORRECTION_TILE = (128, 128, 64, 8, 3)
+
+
 def correct_lost_tiles(out: torch.Tensor, a, b, a_blc: int, a_shift: int, b_blc: int, b_shift: int,
-                       tile: tuple[int, int, int] = (128, 128, 64), programs: int | None = None) -> None:
+                       tile: tuple[int, ...] | None = None, programs: int | None = None) -> None:
     """Recompute exactly, in place, the tiles of out [M, N] whose rows of a or b are flagged (one program
     per SM, or `programs`; each walks its share of the tiles, only when some row is flagged): two launches,
     the exact BF16 copies of both operands and the GEMM of the flagged tiles over them.  The copies' memory
-    (BF16, the operands' shapes) is taken for every call and written only when some row is flagged."""
+    (BF16, the operands' shapes) is taken for every call and written only when some row is flagged.
+    tile: (BM, BN, BK[, warps, stages]), CORRECTION_TILE by default."""
     m, n = out.shape
-    bm, bn, bk = tile
+    tile = tile or CORRECTION_TILE
+    bm, bn, bk = tile[:3]
+    warps = tile[3] if len(tile) > 3 else 8 if bm * bn >= 128 * 128 else 4
+    stages = tile[4] if len(tile) > 4 else 3
     k = a.data.shape[1]
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     programs = programs or default_programs(out)
@@ -192,8 +202,7 @@ def correct_lost_tiles(out: torch.Tensor, a, b, a_blc: int, a_shift: int, b_blc:
     launcher(_correction_kernel)[(max(1, min(tiles, programs)),)](
         out, m, n, out.stride(0), a_x, a.flags, a.data.shape[0], b_x, b.flags, b.data.shape[0], k,
         BM=bm, BN=bn, BK=min(bk, triton.next_power_of_2(k)), OUT_BF16=out.dtype == torch.bfloat16,
-        INTERPRETED=not out.is_cuda, num_warps=8 if bm * bn >= 128 * 128 else 4,
-        num_stages=3 if out.is_cuda else 1)
+        INTERPRETED=not out.is_cuda, num_warps=warps, num_stages=stages if out.is_cuda else 1)
 
 
 def scaled_mm(a, b, m: int, n: int, out_dtype: torch.dtype) -> torch.Tensor:
