@@ -120,33 +120,20 @@ def main():
                    "(hf_fp4.kernels.grouped_gemm.TILE / FP8_TILE) for a comma list of presets")
     args = p.parse_args()
     dev = "cuda"
-    if args.attention_tiles:
-        attention_tiles(dev)
-        return
-    if args.moe:
-        profile_moe(dev, args.moe.split(","))
-        return
-    if args.correction_tiles:
-        correction_tiles(dev)
-        return
-    if args.moe_tiles:
-        moe_tiles(dev, args.moe_tiles.split(","))
-        return
-    if args.optim:
-        profile_optim(dev, args.optim.split(","))
-        return
-    if args.gemm:
-        gemm_granularity(dev)
-        return
-    if args.triton_gemm:
-        triton_blockwise_probe(dev)
-        return
-    if args.fp8_accuracy:
-        fp8_accuracy(dev)
-        return
-    if args.mutations:
-        mutations(dev)
-        return
+    # the modes that do one thing and stop: (given?, what it runs)
+    modes = [(args.attention_tiles, lambda: attention_tiles(dev)),
+             (args.moe, lambda: profile_moe(dev, args.moe.split(","))),
+             (args.correction_tiles, lambda: correction_tiles(dev)),
+             (args.moe_tiles, lambda: moe_tiles(dev, args.moe_tiles.split(","))),
+             (args.optim, lambda: profile_optim(dev, args.optim.split(","))),
+             (args.gemm, lambda: gemm_granularity(dev)),
+             (args.triton_gemm, lambda: triton_blockwise_probe(dev)),
+             (args.fp8_accuracy, lambda: fp8_accuracy(dev)),
+             (args.mutations, lambda: mutations(dev))]
+    for given, run in modes:
+        if given:
+            run()
+            return
     if args.copies:
         for name in args.copies.split(","):
             inductor_stores(name, args.code_dir)
