@@ -63,6 +63,36 @@ def test_gather_and_combine_route_each_token_and_drop_the_padding():
     assert torch.equal(layout.combine(y, weights, tokens), expect)
 
 
+def test_gather_and_combine_gradients_sum_each_tokens_slots_and_skip_the_padding():
+    """The backward of gather sums each token's rows over its slots (token_sum: a gather and an FP32 reduction,
+    deterministic -- never a scatter-add of every pair, whose atomics reorder on CUDA); combine's gradients are
+    weight * dOut at each pair's row and row . dOut for each weight.  Integers: exact in FP32.  The padding rows'
+    gradients (NaN here) reach nothing."""
+    g = torch.Generator().manual_seed(5)
+    tokens, k, experts = 19, 2, 4
+    index = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)])
+    index[3, 0] = experts  # a pair routed nowhere
+    layout = group_layout(index, experts, 16)
+    x = torch.randint(-8, 8, (tokens, 5), generator=g).float().requires_grad_()
+    row_grad = torch.randint(-8, 8, (layout.rows.shape[0], 5), generator=g).float()
+    row_grad[~layout.valid] = float("nan")
+    layout.gather(x).backward(row_grad)
+    weights = torch.randint(1, 5, (tokens, k), generator=g).float().requires_grad_()
+    y = torch.randint(-8, 8, (layout.rows.shape[0], 5), generator=g).float().requires_grad_()
+    out_grad = torch.randint(-8, 8, (tokens, 5), generator=g).float()
+    layout.combine(y, weights, tokens).backward(out_grad)
+    want_x, want_y, want_w = torch.zeros(tokens, 5), torch.zeros_like(y), torch.zeros(tokens, k)
+    for row, pair in enumerate(layout.rows.tolist()):
+        if pair >= 0:
+            t, slot = divmod(pair, k)
+            want_x[t] += row_grad[row]
+            want_y[row] = weights[t, slot].detach() * out_grad[t]
+            want_w[t, slot] = y[row].detach() @ out_grad[t]
+    assert torch.equal(x.grad, want_x)
+    assert torch.equal(y.grad, want_y)
+    assert torch.equal(weights.grad, want_w)
+
+
 def test_the_layout_compiles_without_graph_breaks():
     """No host synchronisation and static shapes: torch.compile(fullgraph=True) traces it (a .tolist() or a
     data-dependent shape would break the graph) and gives the eager layout."""

@@ -9,6 +9,12 @@ by expert, each expert's pairs padded with zero rows to a multiple of `align` ro
     tile_expert [R // align]  the expert whose segment holds each align-row tile, -1 past offsets[E]
     starts, ends [E]  offsets[:-1] and offsets[1:] as int32 (the grouped kernels' segment bounds)
     row_expert [R]  the expert of each row as int32, 0 past offsets[E] (zero rows there)
+    pos [T*k]   the row each pair lies in, R for a pair routed nowhere (the inverse of rows)
+
+Tokens are summed over their k slots by reading each token's rows (pos) and reducing over the slots in FP32
+(`combine`, and the backward of `gather`), never by a scatter-add: the index_add_ of every pair at once added a
+token's slots by atomics in an order that changes run to run on CUDA, so the grouped layer was not
+bit-reproducible (exact resume) where the per-expert loop is (one index_add_ per expert, no token twice).
 
 Segments start at multiples of `align`, so an operand's blocks along the rows (the wgrad operands, blocks
 along the tokens) never straddle two experts, and a GEMM tile of `align` rows belongs to one expert.
@@ -36,6 +42,7 @@ class GroupLayout:
     starts: torch.Tensor
     ends: torch.Tensor
     row_expert: torch.Tensor
+    pos: torch.Tensor
 
     @property
     def num_experts(self) -> int:
@@ -51,16 +58,39 @@ class GroupLayout:
         return self.rows >= 0
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, H] -> [R, H]: each padded row's token, zero rows for the padding."""
-        return torch.where(self.valid[:, None], x[self.tokens], x.new_zeros(()))
+        """x [T, H] -> [R, H]: each padded row's token, zero rows for the padding.  Its gradient sums each
+        token's rows over its slots in FP32 (token_sum), deterministically."""
+        return _Gather.apply(x, self)
 
     def combine(self, y: torch.Tensor, weights: torch.Tensor, num_tokens: int) -> torch.Tensor:
         """y [R, H] -> [T, H] in FP32: each token's rows weighted by its routing weight (weights [T, k]) and
-        summed.  Padding rows are dropped whatever they hold (a bias, or a NaN from a non-finite weight)."""
-        w = weights.reshape(-1)[self.rows.clamp(min=0)].float()
-        contrib = torch.where(self.valid[:, None], y.float() * w[:, None], 0.0)
-        return torch.zeros((num_tokens, y.shape[1]), dtype=torch.float32, device=y.device).index_add_(
-            0, self.tokens, contrib)
+        summed over the slots in order.  Padding rows are dropped whatever they hold (a bias, or a NaN from a
+        non-finite weight): only the pairs' rows are read."""
+        return self.token_sum(y, weights, num_tokens)
+
+    def token_sum(self, y: torch.Tensor, weights: torch.Tensor | None, num_tokens: int) -> torch.Tensor:
+        """[T, H] in FP32: sum over each token's slots s of weights[t, s] * y[row of (t, s)] (weights None: 1),
+        reduced over the slots in FP32; a slot routed nowhere adds 0."""
+        rows = y.shape[0]
+        routed = (self.pos < rows)[:, None]
+        picked = y[self.pos.clamp(max=rows - 1)].float()
+        if weights is not None:
+            picked = picked * weights.reshape(-1, 1).float()
+        picked = torch.where(routed, picked, 0.0)
+        return picked.view(num_tokens, self.top_k, y.shape[1]).sum(1)
+
+
+class _Gather(torch.autograd.Function):
+    """GroupLayout.gather with a deterministic backward (token_sum of the rows' gradients, in x's dtype)."""
+
+    @staticmethod
+    def forward(ctx, x, layout):
+        ctx.layout, ctx.tokens = layout, x.shape[0]
+        return torch.where(layout.valid[:, None], x[layout.tokens], x.new_zeros(()))
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.layout.token_sum(grad, None, ctx.tokens).to(grad.dtype), None
 
 
 def padded_rows(num_pairs: int, num_experts: int, align: int) -> int:
@@ -96,4 +126,5 @@ def group_layout(top_k_index: torch.Tensor, num_experts: int, align: int) -> Gro
     tile_expert = torch.where(tile_expert < num_experts, tile_expert, -1)
     bounds = offsets.to(torch.int32)
     row_expert = tile_expert.clamp(min=0).to(torch.int32).repeat_interleave(align)
-    return GroupLayout(rows, offsets, counts, tile_expert, align, k, bounds[:-1], bounds[1:], row_expert)
+    pos = torch.empty_like(dest).scatter_(0, order, dest)  # pair -> row (n_rows: routed nowhere)
+    return GroupLayout(rows, offsets, counts, tile_expert, align, k, bounds[:-1], bounds[1:], row_expert, pos)
