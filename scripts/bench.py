@@ -388,44 +388,56 @@ def linear_times(layer, name, inputs) -> tuple[float, float, float | None, dict]
 
 
 def bench_linear(dev, tokens, shapes, results, names, spread=False):
-    table, stream_table, captured_table, clock_table = [], [], [], []
+    runs = []
     make = spread_rows if spread else (lambda t: t)
     for k, n in shapes:
         inputs = [(make(torch.randn(tokens, k, device=dev, dtype=torch.bfloat16)).requires_grad_(),
                    make(torch.randn(tokens, n, device=dev, dtype=torch.bfloat16))) for _ in range(3)]
-        row, stream_row, captured_row, clock_row = ([f"{k}x{n}"] for _ in range(4))
-        base_ms = base_stream = base_captured = None
         for name, layer in linear_impls(k, n, dev, names):
             ms, ms_stream, ms_captured, clocks = linear_times(layer, name, inputs)
-            base_ms, base_stream = base_ms or ms, base_stream or ms_stream
-            base_captured = base_captured or ms_captured
-            results["linear"].append({"shape": f"{k}x{n}", "tokens": tokens, "impl": name, "ms": round(ms, 4),
-                                      "ms_stream": round(ms_stream, 4),
-                                      "ms_captured": None if ms_captured is None else round(ms_captured, 4),
-                                      "inputs": "spread" if spread else "normal", **clocks})
-            row.append(f"{ms:.2f} ({base_ms / ms:.2f}x)")
-            stream_row.append(f"{ms_stream:.2f} ({base_stream / ms_stream:.2f}x)")
-            captured_row.append("-" if ms_captured is None else
-                                f"{ms_captured:.2f} ({base_captured / ms_captured:.2f}x)" if base_captured else
-                                f"{ms_captured:.2f}")
-            clock_row.append(" / ".join("-" if clocks[key] is None else f"{clocks[key]:.0f}"
-                                        for key in ("sm_mhz", "sm_mhz_stream", "sm_mhz_captured")))
+            runs.append({"shape": f"{k}x{n}", "tokens": tokens, "impl": name, "ms": round(ms, 4),
+                         "ms_stream": round(ms_stream, 4),
+                         "ms_captured": None if ms_captured is None else round(ms_captured, 4),
+                         "inputs": "spread" if spread else "normal", **clocks})
             del layer
             torch.cuda.empty_cache() if dev == "cuda" else None
-        table.append(row)
-        stream_table.append(stream_row)
-        captured_table.append(captured_row)
-        clock_table.append(clock_row)
+    results["linear"] += runs
+    return linear_tables(runs, clocks=True)
+
+
+#: The linear part's timings: (result field, how it was timed)
+LINEAR_TIMINGS = (("ms", "each call waited for"),
+                  ("ms_stream", "calls back to back: the host runs ahead, as in a training step"),
+                  ("ms_captured", "one step captured in a CUDA graph with static inputs, replayed: GPU time only, no "
+                   "host cost, no graph-tree input copies; '-': reduce-overhead impls"))
+
+
+def linear_tables(runs, clocks=False) -> str:
+    """The linear part's tables from its result records (one inputs kind, one token count): one per timing, each
+    cell ms and the speed against bf16 of the same shape ('-' where an impl lacks the timing); clocks: also the
+    GPU's median SM clock during each timing."""
+    impls = list(dict.fromkeys(r["impl"] for r in runs))
+    shapes = list(dict.fromkeys(r["shape"] for r in runs))
+    spread = runs[0].get("inputs") == "spread"
     what = ", runs of 64 rows of x and dy spread over 2^-12..2^12 (spread_rows)" if spread else ""
-    return (md_table(f"Linear forward + backward, {tokens} tokens{what}, bf16 (ms; speed vs bf16 nn.Linear; "
-                     "each call waited for)", ["K x N"] + names, table)
-            + "\n" + md_table("The same, calls back to back (the host runs ahead, as in a training step: "
-                              "timed(stream=True))", ["K x N"] + names, stream_table)
-            + "\n" + md_table("The same, one step captured in a CUDA graph with static inputs, replayed (GPU time "
-                              "only: no host cost, no graph-tree input copies; '-': reduce-overhead impls)",
-                              ["K x N"] + names, captured_table)
-            + "\n" + md_table("The GPU's median SM clock during each timing, MHz (waited / back to back / "
-                              "captured; nvidia-smi every 20 ms)", ["K x N"] + names, clock_table))
+    text = []
+    for field, how in LINEAR_TIMINGS:
+        if not any(r.get(field) is not None for r in runs):
+            continue
+        rows = []
+        for shape in shapes:
+            ms = {r["impl"]: r[field] for r in runs if r["shape"] == shape and r.get(field) is not None}
+            rows.append([shape] + [f"{ms[i]:.2f} ({ms['bf16'] / ms[i]:.2f}x)" if i in ms and "bf16" in ms
+                                   else f"{ms[i]:.2f}" if i in ms else "-" for i in impls])
+        text.append(md_table(f"Linear forward + backward, {runs[0]['tokens']} tokens{what}, bf16 (ms; speed vs bf16 "
+                             f"nn.Linear; {how})", ["K x N"] + impls, rows))
+    if clocks:
+        keys = ("sm_mhz", "sm_mhz_stream", "sm_mhz_captured")
+        rows = [[shape] + [" / ".join("-" if r.get(key) is None else f"{r[key]:.0f}" for key in keys)
+                           for i in impls for r in runs if r["shape"] == shape and r["impl"] == i] for shape in shapes]
+        text.append(md_table("The GPU's median SM clock during each timing, MHz (waited / back to back / captured; "
+                             "nvidia-smi every 20 ms)", ["K x N"] + impls, rows))
+    return "\n".join(text)
 
 
 def build_model(name, cfg_kwargs, dev):
@@ -820,18 +832,7 @@ def render(results) -> str:
                              "(CUDA-graph replay; bytes read once + written; % of the device copy's bytes/s)",
                              ["impl", "ms", "GB/s", "% of copy"], rows))
     for inputs in dict.fromkeys(r.get("inputs", "normal") for r in results["linear"]):
-        runs = [r for r in results["linear"] if r.get("inputs", "normal") == inputs]
-        impls = list(dict.fromkeys(r["impl"] for r in runs))
-        for field, how in (("ms", "each call waited for"), ("ms_stream", "calls back to back"),
-                           ("ms_captured", "one step captured in a CUDA graph, replayed")):
-            rows = []
-            for shape in dict.fromkeys(r["shape"] for r in runs):
-                ms = {r["impl"]: r[field] for r in runs if r["shape"] == shape and r.get(field) is not None}
-                rows.append([shape] + [f"{ms[i]:.2f} ({ms['bf16'] / ms[i]:.2f}x)" if i in ms and "bf16" in ms
-                                       else "-" for i in impls])
-            if any(r.get(field) is not None for r in runs):
-                text.append(md_table(f"Linear forward + backward, {runs[0]['tokens']} tokens, {inputs} inputs, bf16 "
-                                     f"(ms; speed vs bf16 nn.Linear; {how})", ["K x N"] + impls, rows))
+        text.append(linear_tables([r for r in results["linear"] if r.get("inputs", "normal") == inputs]))
     for model in dict.fromkeys(r["model"] for r in results["e2e"]):
         runs = [r for r in results["e2e"] if r["model"] == model]
         base = next((r["tokens_per_s"] for r in runs if r["impl"] == "bf16"), runs[0]["tokens_per_s"])
