@@ -128,7 +128,7 @@ def group_stats_kernel_args(a: OperandPlan | None, b: OperandPlan | None):
     """(types, constexprs, warps, divisible) of the grouped stats pass."""
     _, (br, bc, warps), _, flags = operand._launch_config((a, b), None)
     constexprs = dict(BR=br, BC=bc, EVEN=True, CH=operand.GROUP_ROWS, s_c=1,
-                      **{k: v for k, v in flags.items() if k != "ACROSS"})
+                      **{k: v for k, v in flags.items() if k != "ACROSS"}, ACROSS=operand.group_stats_across(a, b))
     types = {"t_ptr": "*bf16", "ids_ptr": "*i32", **{p: "*fp32" for p in ("a_stat", "a_signs", "b_stat", "b_signs")}}
     params = inspect.signature(operand._group_stats_kernel.fn).parameters
     divisible = [p for p in params if p not in constexprs and (types.get(p, "").startswith("*") or p in SIZES)]

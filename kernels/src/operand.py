@@ -180,43 +180,102 @@ def _stats_tiles(t_ptr, R, C, s_r, s_c, mu_ptr, a_stat, a_signs, b_stat, b_signs
 GROUP_ROWS = 16
 
 
+def group_stats_across(a: OperandPlan | None, b: OperandPlan | None) -> bool:
+    """Whether the grouped stats pass rotates B across row tiles (_group_stats_across): B's Hadamard is one group
+    chunk (GROUP_ROWS rows: NVFP4's and UFP4's RHT-16 on the wgrad orientation, UFP4's dgrad weight), and A needs
+    at most its tensor amax, rotated or not, or its per-row amax unrotated (as stats_across())."""
+    return (b is not None and b.stat > 0 and b.hadamard == GROUP_ROWS
+            and (a is None or a.stat != 1 or a.hadamard == 0))
+
+
+@triton.jit
+def _group_stats_across(t_ptr, R, C, s_r, s_c, ids_ptr, a_stat, a_signs, b_stat, b_signs, b_rows, cols,
+                        BR: tl.constexpr, BC: tl.constexpr, EVEN: tl.constexpr,
+                        A_STAT: tl.constexpr, A_H: tl.constexpr, A_HSCALE: tl.constexpr, A_SIGNS: tl.constexpr,
+                        B_STAT: tl.constexpr, B_H: tl.constexpr, B_HSCALE: tl.constexpr, B_SIGNS: tl.constexpr):
+    """_group_stats_kernel's tile read as B_H (= GROUP_ROWS) tiles xs[i] of rows r0 + g * B_H + i, g one group
+    chunk each: B's rotation along t's rows is elementwise between them (hadamard_across, bit-identical), and its
+    amax per chunk and column is an elementwise max over i -- no transpose (_stats_across's layout for the grouped
+    pass).  A's amax per chunk (STAT 2; rotated inside each xs[i] by hadamard_block_amax, scaled once after) or per
+    row (STAT 1, unrotated)."""
+    G: tl.constexpr = BR // B_H
+    g = tl.arange(0, G)
+    chunk_rows = tl.program_id(0) * BR + g * B_H  # each chunk's first row
+    chunk_ok = chunk_rows < R
+    ids = tl.load(ids_ptr + chunk_rows, mask=chunk_ok, other=0)
+    xs = ()
+    for i in tl.static_range(B_H):
+        xs = xs + (load_tile(t_ptr, chunk_rows + i, cols, R, C, s_r, s_c, t_ptr, False, EVEN),)
+    ys = hadamard_across(xs, b_signs, B_H, B_HSCALE, B_SIGNS)
+    b = finite_abs(ys[0])
+    for i in tl.static_range(1, B_H):
+        b = tl.maximum(b, finite_abs(ys[i]))  # [G, BC]: per chunk and t column
+    if B_STAT == 1:  # -> b_stat[group, column]
+        _max_into(b_stat + ids[:, None] * b_rows + cols[None, :], b, mask=chunk_ok[:, None] & (cols[None, :] < b_rows))
+    else:
+        _max_into(b_stat + ids, tl.max(b, axis=1), mask=chunk_ok)
+    if A_STAT == 1:  # per row of t, unrotated
+        for i in tl.static_range(B_H):
+            _max_into(a_stat + chunk_rows + i, tl.max(finite_abs(xs[i]), axis=1), mask=chunk_rows + i < R)
+    if A_STAT == 2:
+        if A_H > 0:  # rotated along t's columns inside each xs[i]: block amaxes [G * BC / A_H, A_H / 2], an
+            # elementwise max over the xs[i] in that layout, then one reshape to [G, BC / 2] per chunk
+            a_step = hadamard_block_amax(xs[0], a_signs, G, BC, A_H, A_HSCALE, A_SIGNS)
+            for i in tl.static_range(1, B_H):
+                a_step = tl.maximum(a_step, hadamard_block_amax(xs[i], a_signs, G, BC, A_H, A_HSCALE, A_SIGNS))
+            a = flush_subnormals(tl.max(tl.reshape(a_step, [G, BC // 2]), axis=1) * A_HSCALE)
+        else:
+            a = tl.max(finite_abs(xs[0]), axis=1)
+            for i in tl.static_range(1, B_H):
+                a = tl.maximum(a, tl.max(finite_abs(xs[i]), axis=1))
+        _max_into(a_stat + ids, a, mask=chunk_ok)
+
+
 @triton.jit
 def _group_stats_kernel(t_ptr, R, C, s_r, s_c, ids_ptr, a_stat, a_signs, b_stat, b_signs,
                         b_rows, BR: tl.constexpr, BC: tl.constexpr, EVEN: tl.constexpr, CH: tl.constexpr,
                         A_STAT: tl.constexpr, A_H: tl.constexpr, A_HSCALE: tl.constexpr, A_SIGNS: tl.constexpr,
-                        B_STAT: tl.constexpr, B_H: tl.constexpr, B_HSCALE: tl.constexpr, B_SIGNS: tl.constexpr):
+                        B_STAT: tl.constexpr, B_H: tl.constexpr, B_HSCALE: tl.constexpr, B_SIGNS: tl.constexpr,
+                        ACROSS: tl.constexpr):
     """The tensor amax (STAT 2) of each orientation per group of t's rows (ids_ptr: the group of each row): a
     program reduces its [BR, BC] tile per row of t -- A's rotated along t's columns, B's along t's rows -- and
     sends one atomic max per CH (GROUP_ROWS) rows into the group's element of the statistic.  Per-row statistics
     (STAT 1, the FP8 form's reference exponents): A's per row of t (rows are not shared by groups), B's per row of
-    B and group (b_stat [E, b_rows]).  A plain pass over whole tiles (a transpose for B's Hadamard); not yet
-    profiled."""
-    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    B and group (b_stat [E, b_rows]).  ACROSS (group_stats_across()): B's Hadamard is one chunk, rotated across row
+    tiles (_group_stats_across): sm_90 code (Triton 3.9, scripts/ptx_report.py --only grouped-stats) of NVFP4's
+    x / dy from 8 layout conversions, 32 KiB of shared memory and 39 SASS instructions per element to 2, 32 B and
+    30; UFP4's x from 43 barriers, 32 KiB and 60.8 to 7, 32 B and 33.5 (its A rotation's 50 conversions are the
+    ungrouped pass's 49).  Otherwise a plain pass over whole tiles (a transpose for B's Hadamard).  Not yet timed."""
     cols = tl.program_id(1) * BC + tl.arange(0, BC)
-    x = load_tile(t_ptr, rows, cols, R, C, s_r, s_c, t_ptr, False, EVEN)
-    NCH: tl.constexpr = BR // CH
-    chunks = tl.program_id(0) * BR + tl.arange(0, NCH) * CH
-    ids = tl.load(ids_ptr + chunks, mask=chunks < R, other=0)
-    if A_STAT > 0:
-        if A_H > 0:
-            a = tl.max(finite_abs(hadamard(x, a_signs, BR, BC, A_H, A_HSCALE, A_SIGNS)), axis=1)
-        else:
-            a = tl.max(finite_abs(x), axis=1)
-        if A_STAT == 1:
-            _max_into(a_stat + rows, a, mask=rows < R)
-        else:
-            _max_into(a_stat + ids, tl.max(tl.reshape(a, [NCH, CH]), axis=1), mask=chunks < R)
-    if B_STAT > 0:
-        if B_H > 0:  # [BC, NCH]: per t column and chunk of t's rows
-            b = tl.trans(tl.max(tl.reshape(finite_abs(hadamard(tl.trans(x), b_signs, BC, BR, B_H, B_HSCALE, B_SIGNS)),
-                                           [BC, NCH, CH]), axis=2))
-        else:
-            b = tl.max(tl.reshape(finite_abs(x), [NCH, CH, BC]), axis=1)
-        if B_STAT == 1:  # [NCH, BC] -> b_stat[group, column]
-            _max_into(b_stat + ids[:, None] * b_rows + cols[None, :], b,
-                      mask=(chunks[:, None] < R) & (cols[None, :] < b_rows))
-        else:
-            _max_into(b_stat + ids, tl.max(b, axis=1), mask=chunks < R)
+    if ACROSS:
+        _group_stats_across(t_ptr, R, C, s_r, s_c, ids_ptr, a_stat, a_signs, b_stat, b_signs, b_rows, cols, BR, BC,
+                            EVEN, A_STAT, A_H, A_HSCALE, A_SIGNS, B_STAT, B_H, B_HSCALE, B_SIGNS)
+    else:
+        rows = tl.program_id(0) * BR + tl.arange(0, BR)
+        x = load_tile(t_ptr, rows, cols, R, C, s_r, s_c, t_ptr, False, EVEN)
+        NCH: tl.constexpr = BR // CH
+        chunks = tl.program_id(0) * BR + tl.arange(0, NCH) * CH
+        ids = tl.load(ids_ptr + chunks, mask=chunks < R, other=0)
+        if A_STAT > 0:
+            if A_H > 0:
+                a = tl.max(finite_abs(hadamard(x, a_signs, BR, BC, A_H, A_HSCALE, A_SIGNS)), axis=1)
+            else:
+                a = tl.max(finite_abs(x), axis=1)
+            if A_STAT == 1:
+                _max_into(a_stat + rows, a, mask=rows < R)
+            else:
+                _max_into(a_stat + ids, tl.max(tl.reshape(a, [NCH, CH]), axis=1), mask=chunks < R)
+        if B_STAT > 0:
+            if B_H > 0:  # [BC, NCH]: per t column and chunk of t's rows
+                rotated = hadamard(tl.trans(x), b_signs, BC, BR, B_H, B_HSCALE, B_SIGNS)
+                b = tl.trans(tl.max(tl.reshape(finite_abs(rotated), [BC, NCH, CH]), axis=2))
+            else:
+                b = tl.max(tl.reshape(finite_abs(x), [NCH, CH, BC]), axis=1)
+            if B_STAT == 1:  # [NCH, BC] -> b_stat[group, column]
+                _max_into(b_stat + ids[:, None] * b_rows + cols[None, :], b,
+                          mask=(chunks[:, None] < R) & (cols[None, :] < b_rows))
+            else:
+                _max_into(b_stat + ids, tl.max(b, axis=1), mask=chunks < R)
 
 
 @triton.jit
@@ -718,7 +777,8 @@ def triton_operands(t: torch.Tensor, plans: tuple[OperandPlan | None, OperandPla
         launcher(_group_stats_kernel)[(triton.cdiv(R, sbr), triton.cdiv(C, sbc))](
             t, R, C, s_r, s_c, groups.ids, stats[0], signs_t[0], stats[1], signs_t[1],
             ops[1].data.shape[0] if ops[1] is not None else 0, BR=sbr, BC=sbc,
-            EVEN=R % sbr == 0 and C % sbc == 0, CH=GROUP_ROWS, num_warps=swarps, **flags)
+            EVEN=R % sbr == 0 and C % sbc == 0, CH=GROUP_ROWS, num_warps=swarps,
+            ACROSS=group_stats_across(*plans), **flags)
     elif any(p is not None and p.stat for p in plans):
         steps = _stats_steps(R, C, sbr, sbc)
         launcher(_stats_kernel)[(triton.cdiv(R, sbr * steps), triton.cdiv(C, sbc))](
