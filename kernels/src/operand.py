@@ -181,10 +181,12 @@ GROUP_ROWS = 16
 
 
 def group_stats_across(a: OperandPlan | None, b: OperandPlan | None) -> bool:
-    """Whether the grouped stats pass rotates B across row tiles (_group_stats_across): B's Hadamard is one group
-    chunk (GROUP_ROWS rows: NVFP4's and UFP4's RHT-16 on the wgrad orientation, UFP4's dgrad weight), and A needs
-    at most its tensor amax, rotated or not, or its per-row amax unrotated (as stats_across())."""
-    return (b is not None and b.stat > 0 and b.hadamard == GROUP_ROWS
+    """Whether the grouped stats pass rotates B across row tiles (_group_stats_across): B's Hadamard is a whole
+    number of group chunks, up to ACROSS_MAX (NVFP4's and UFP4's RHT-16 on the wgrad orientation, UFP4's dgrad
+    weight, mxfp4_dh's H-32 -- groups start at multiples of the wgrad blocks and Hadamard, so a Hadamard block never
+    spans two groups), and A needs at most its tensor amax, rotated or not, or its per-row amax unrotated (as
+    stats_across())."""
+    return (b is not None and b.stat > 0 and b.hadamard % GROUP_ROWS == 0 and 0 < b.hadamard <= ACROSS_MAX
             and (a is None or a.stat != 1 or a.hadamard == 0))
 
 
@@ -193,14 +195,14 @@ def _group_stats_across(t_ptr, R, C, s_r, s_c, ids_ptr, a_stat, a_signs, b_stat,
                         BR: tl.constexpr, BC: tl.constexpr, EVEN: tl.constexpr,
                         A_STAT: tl.constexpr, A_H: tl.constexpr, A_HSCALE: tl.constexpr, A_SIGNS: tl.constexpr,
                         B_STAT: tl.constexpr, B_H: tl.constexpr, B_HSCALE: tl.constexpr, B_SIGNS: tl.constexpr):
-    """_group_stats_kernel's tile read as B_H (= GROUP_ROWS) tiles xs[i] of rows r0 + g * B_H + i, g one group
-    chunk each: B's rotation along t's rows is elementwise between them (hadamard_across, bit-identical), and its
-    amax per chunk and column is an elementwise max over i -- no transpose (_stats_across's layout for the grouped
-    pass).  A's amax per chunk (STAT 2; rotated inside each xs[i] by hadamard_block_amax, scaled once after) or per
-    row (STAT 1, unrotated)."""
+    """_group_stats_kernel's tile read as B_H tiles xs[i] of rows r0 + g * B_H + i, g one Hadamard block (one or
+    two group chunks of one group) each: B's rotation along t's rows is elementwise between them (hadamard_across,
+    bit-identical), and its amax per block and column is an elementwise max over i -- no transpose (_stats_across's
+    layout for the grouped pass).  A's amax per block (STAT 2; rotated inside each xs[i] by hadamard_block_amax,
+    scaled once after) or per row (STAT 1, unrotated)."""
     G: tl.constexpr = BR // B_H
     g = tl.arange(0, G)
-    chunk_rows = tl.program_id(0) * BR + g * B_H  # each chunk's first row
+    chunk_rows = tl.program_id(0) * BR + g * B_H  # each block's first row (its group: the block's)
     chunk_ok = chunk_rows < R
     ids = tl.load(ids_ptr + chunk_rows, mask=chunk_ok, other=0)
     xs = ()
@@ -214,9 +216,10 @@ def _group_stats_across(t_ptr, R, C, s_r, s_c, ids_ptr, a_stat, a_signs, b_stat,
         _max_into(b_stat + ids[:, None] * b_rows + cols[None, :], b, mask=chunk_ok[:, None] & (cols[None, :] < b_rows))
     else:
         _max_into(b_stat + ids, tl.max(b, axis=1), mask=chunk_ok)
-    if A_STAT == 1:  # per row of t, unrotated
-        for i in tl.static_range(B_H):
-            _max_into(a_stat + chunk_rows + i, tl.max(finite_abs(xs[i]), axis=1), mask=chunk_rows + i < R)
+    if A_STAT == 1:  # per row of t, unrotated: the whole tile once more (an L1 / L2 hit), as _stats_across
+        rows = tl.program_id(0) * BR + tl.arange(0, BR)
+        x = load_tile(t_ptr, rows, cols, R, C, s_r, s_c, t_ptr, False, EVEN)
+        _max_into(a_stat + rows, tl.max(finite_abs(x), axis=1), mask=rows < R)
     if A_STAT == 2:
         if A_H > 0:  # rotated along t's columns inside each xs[i]: block amaxes [G * BC / A_H, A_H / 2], an
             # elementwise max over the xs[i] in that layout, then one reshape to [G, BC / 2] per chunk
@@ -245,7 +248,9 @@ def _group_stats_kernel(t_ptr, R, C, s_r, s_c, ids_ptr, a_stat, a_signs, b_stat,
     tiles (_group_stats_across): sm_90 code (Triton 3.9, scripts/ptx_report.py --only grouped-stats) of NVFP4's
     x / dy from 8 layout conversions, 32 KiB of shared memory and 39 SASS instructions per element to 2, 32 B and
     30; UFP4's x from 43 barriers, 32 KiB and 60.8 to 7, 32 B and 33.5 (its A rotation's 50 conversions are the
-    ungrouped pass's 49).  Otherwise a plain pass over whole tiles (a transpose for B's Hadamard).  Not yet timed."""
+    ungrouped pass's 49); mxfp4_dh's x (H-32, A's per-row amax from a second read of the tile) from 8 conversions,
+    32 KiB, 13 barriers and 40 to 1, 256 B, 1 and 29.5.  Otherwise a plain pass over whole tiles (a transpose for
+    B's Hadamard).  Not yet timed."""
     cols = tl.program_id(1) * BC + tl.arange(0, BC)
     if ACROSS:
         _group_stats_across(t_ptr, R, C, s_r, s_c, ids_ptr, a_stat, a_signs, b_stat, b_signs, b_rows, cols, BR, BC,
