@@ -59,10 +59,10 @@ def _segment_of(ends_ptr, E, ks, BK: tl.constexpr):
 
 
 @triton.jit
-def _copy_exact(data, side, eb, scale, R, C, ld, ld_eb, gw, s_step, out, ends_ptr, E, tile,
+def _copy_exact(data, side, eb, scale, R, C, ld_eb, gw, s_step, out, ends_ptr, E, tile,
                 BR: tl.constexpr, BK: tl.constexpr, BLC: tl.constexpr, SHIFT: tl.constexpr, GROUPS: tl.constexpr):
-    """Tile `tile` (row-major over [R, C] in BR x BK tiles) of an FP8 operand's exact values, stored as BF16 at out
-    (stride ld).  The row scale of element (r, c): scale[r] (GROUPS 0), or scale[g * s_step + r] with g the
+    """Tile `tile` (row-major over [R, C] in BR x BK tiles) of a contiguous FP8 operand's exact values, stored as
+    BF16 at out (the same shape and strides).  The row scale of element (r, c): scale[r] (GROUPS 0), or scale[g * s_step + r] with g the
     column's group -- c // gw (1: W^T's experts, gw columns each) or its segment of ends (2: the grouped wgrad's
     expert segments along the contraction)."""
     k_tiles = tl.cdiv(C, BK)
@@ -78,14 +78,14 @@ def _copy_exact(data, side, eb, scale, R, C, ld, ld_eb, gw, s_step, out, ends_pt
             g = _segment_of(ends_ptr, E, ks, BK)
         sc = tl.load(scale + g[None, :].to(tl.int64) * s_step + rows[:, None], mask=row_ok[:, None] & k_ok[None, :],
                      other=0.0)
-    v = exact_tile(data, side, eb, sc, rows, ks, row_ok, k_ok, ld, ld_eb, BLC, SHIFT)
-    tl.store(out + rows[:, None].to(tl.int64) * ld + ks[None, :], v.to(tl.bfloat16),
+    v = exact_tile(data, side, eb, sc, rows, ks, row_ok, k_ok, C, ld_eb, BLC, SHIFT)
+    tl.store(out + rows[:, None].to(tl.int64) * C + ks[None, :], v.to(tl.bfloat16),
              mask=row_ok[:, None] & k_ok[None, :])
 
 
 @triton.jit
-def _exact_copy_kernel(a_ptr, a_side, a_eb, a_scale, a_flags, MA, CA, lda, ld_aeb, a_gw, a_ss, a_out,
-                       b_ptr, b_side, b_eb, b_scale, b_flags, NB, CB, ldb, ld_beb, b_gw, b_ss, b_out, ends_ptr, E,
+def _exact_copy_kernel(a_ptr, a_side, a_eb, a_scale, a_flags, MA, CA, ld_aeb, a_gw, a_ss, a_out,
+                       b_ptr, b_side, b_eb, b_scale, b_flags, NB, CB, ld_beb, b_gw, b_ss, b_out, ends_ptr, E,
                        BR: tl.constexpr, BK: tl.constexpr, A_BLC: tl.constexpr, A_SHIFT: tl.constexpr,
                        A_GROUPS: tl.constexpr, B_BLC: tl.constexpr, B_SHIFT: tl.constexpr, B_GROUPS: tl.constexpr):
     """Step 2a: a few persistent programs that read the two operands' "any row flagged" elements (a_flags[MA],
@@ -96,10 +96,10 @@ def _exact_copy_kernel(a_ptr, a_side, a_eb, a_scale, a_flags, MA, CA, lda, ld_ae
         a_tiles = tl.cdiv(MA, BR) * tl.cdiv(CA, BK)
         for tile in range(tl.program_id(0), a_tiles + tl.cdiv(NB, BR) * tl.cdiv(CB, BK), tl.num_programs(0)):
             if tile < a_tiles:
-                _copy_exact(a_ptr, a_side, a_eb, a_scale, MA, CA, lda, ld_aeb, a_gw, a_ss, a_out, ends_ptr,
+                _copy_exact(a_ptr, a_side, a_eb, a_scale, MA, CA, ld_aeb, a_gw, a_ss, a_out, ends_ptr,
                             E, tile, BR, BK, A_BLC, A_SHIFT, A_GROUPS)
             else:
-                _copy_exact(b_ptr, b_side, b_eb, b_scale, NB, CB, ldb, ld_beb, b_gw, b_ss, b_out, ends_ptr,
+                _copy_exact(b_ptr, b_side, b_eb, b_scale, NB, CB, ld_beb, b_gw, b_ss, b_out, ends_ptr,
                             E, tile - a_tiles, BR, BK, B_BLC, B_SHIFT, B_GROUPS)
 
 
@@ -170,8 +170,8 @@ def exact_copies(a, b, a_layout: tuple, b_layout: tuple, programs: int | None = 
     tiles = triton.cdiv(ma, cr) * triton.cdiv(ca, ck) + triton.cdiv(nb, cr) * triton.cdiv(cb, ck)
     ends = a.flags if ends is None else ends  # (a stand-in pointer where no operand is segmented)
     launcher(_exact_copy_kernel)[(max(1, min(tiles, 2 * programs)),)](
-        a.data, a.side, a.eb, a.scale, a.flags, ma, ca, ca, a.eb.stride(0), a_layout[3], a_layout[4], a_x,
-        b.data, b.side, b.eb, b.scale, b.flags, nb, cb, cb, b.eb.stride(0), b_layout[3], b_layout[4], b_x,
+        a.data, a.side, a.eb, a.scale, a.flags, ma, ca, a.eb.stride(0), a_layout[3], a_layout[4], a_x,
+        b.data, b.side, b.eb, b.scale, b.flags, nb, cb, b.eb.stride(0), b_layout[3], b_layout[4], b_x,
         ends, ends.shape[0], BR=cr, BK=ck, A_BLC=a_layout[0], A_SHIFT=a_layout[1], A_GROUPS=a_layout[2],
         B_BLC=b_layout[0], B_SHIFT=b_layout[1], B_GROUPS=b_layout[2], num_warps=COPY_TILE[2])
     return a_x, b_x
