@@ -818,8 +818,9 @@ def merge(paths):
             results = {**data, "command": [data["command"]]}
             continue
         results["command"].append(data["command"])
-        for part in ("quant", "linear", "e2e"):
-            results[part] += data.get(part, [])
+        for part, rows in data.items():  # every part's rows (linear, e2e, quant, moe, attention, ...)
+            if isinstance(rows, list):
+                results[part] = results.get(part, []) + rows
     return results
 
 
@@ -838,6 +839,14 @@ def render(results) -> str:
         base = next((r["tokens_per_s"] for r in runs if r["impl"] == "bf16"), runs[0]["tokens_per_s"])
         rows = [[r["impl"], f"{r['tokens_per_s']:,}", f"{r['tokens_per_s'] / base:.2f}x"] for r in runs]
         text.append(md_table(f"End-to-end train step, {model}", ["impl", "tokens/s", "vs bf16"], rows))
+    for shape in dict.fromkeys(r["shape"] for r in results.get("moe", [])):
+        runs = [r for r in results["moe"] if r["shape"] == shape]
+        base = next((r for r in runs if r["impl"] == "bf16:grouped_mm"), runs[0])
+        rows = [[r["impl"], f"{r['ms']:.2f}", f"{base['ms'] / r['ms']:.2f}x"] + (
+            ["-", "-"] if r.get("ms_captured") is None or base.get("ms_captured") is None
+            else [f"{r['ms_captured']:.2f}", f"{base['ms_captured'] / r['ms_captured']:.2f}x"]) for r in runs]
+        text.append(md_table(f"MoE experts layer fwd+bwd, {shape} (speed vs {base['impl']})",
+                             ["impl", "ms", "vs base", "ms captured", "vs base (captured)"], rows))
     return "\n".join(text)
 
 

@@ -84,6 +84,11 @@ def test_merged_results_render_each_timing_and_skip_missing_ones(tmp_path):
         return str(path)
 
     paths = [run("a", [("bf16", 2.0, 1.0), ("hf_fp4:mxfp4:graphs", 1.0, None)]), run("b", [("hf_fp4:mxfp4", 4.0, 0.5)])]
+    moe = {"device": "d", "versions": {}, "command": "python c", "date": "2026-01-01", "linear": [], "e2e": [],
+           "quant": [], "moe": [{"shape": "E4", "impl": "bf16:grouped_mm", "ms": 3.0, "ms_captured": 2.0},
+                                {"shape": "E4", "impl": "hf_fp4:nvfp4", "ms": 6.0, "ms_captured": 4.0}]}
+    (tmp_path / "c.json").write_text(json.dumps(moe))
+    paths.append(str(tmp_path / "c.json"))  # a part beyond linear / e2e / quant is kept and rendered too
     out = tmp_path / "out"
     subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "--merge", *paths, "--out", str(out)],
                    check=True, cwd=ROOT, capture_output=True, timeout=300)
@@ -92,3 +97,6 @@ def test_merged_results_render_each_timing_and_skip_missing_ones(tmp_path):
     assert "| 64x64 | 1.00 (1.00x) | - | 0.50 (2.00x) |" in captured
     assert "| 64x64 | 2.00 (1.00x) | 1.00 (2.00x) | 4.00 (0.50x) |" in text  # the waited timing
     assert "- command: `python a`" in text and "- command: `python b`" in text
+    assert "| hf_fp4:nvfp4 | 6.00 | 0.50x | 4.00 | 0.50x |" in text
+    merged = json.loads(next(out.glob("results-*.json")).read_text())
+    assert [r["impl"] for r in merged["moe"]] == ["bf16:grouped_mm", "hf_fp4:nvfp4"]
