@@ -45,7 +45,10 @@ if [ "$what" = unpack ]; then
       > "$dest/logs/$(basename "$log")"
   done
   # the study process's own log (which runs started and finished), beside study.tgz in the call's files
-  [ -f "$(dirname "$tgz")/study.log" ] && cp "$(dirname "$tgz")/study.log" "$dest/logs/study-$(date -u +%F).log"
+  # (a second unpack on the same day gets its own file: the day's earlier log is never overwritten)
+  day_log="$dest/logs/study-$(date -u +%F).log"; n=2
+  while [ -e "$day_log" ]; do day_log="$dest/logs/study-$(date -u +%F)-$n.log"; n=$((n + 1)); done
+  [ -f "$(dirname "$tgz")/study.log" ] && cp "$(dirname "$tgz")/study.log" "$day_log"
   rm -rf "$tmp"
   exec python -m hf_fp4 study "$study" --summary-only
 fi

@@ -106,3 +106,81 @@ def test_bad_layout_arguments_are_refused():
         group_layout(torch.zeros(5, dtype=torch.long), 4, 16)
     with pytest.raises(ValueError, match="align >= 1"):
         group_layout(torch.zeros(5, 2, dtype=torch.long), 4, 0)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """t's bit patterns (so that -0.0 and 0.0 differ and NaN equals itself)."""
+    return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+
+def _routed_case(seed: int, tokens: int = 29, k: int = 3, experts: int = 5, width: int = 40):
+    """A routing with a pair routed nowhere (its weight NaN), bf16 rows with NaN in the padding rows, and random
+    (not integer) values, so that rounding and summation order show."""
+    g = torch.Generator().manual_seed(seed)
+    index = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)])
+    index[2, 1] = -1
+    layout = group_layout(index, experts, 16)
+    weights = torch.rand(tokens, k, generator=g)
+    weights[2, 1] = float("nan")
+    x = torch.randn(tokens, width, generator=g).bfloat16()
+    y = torch.randn(layout.rows.shape[0], width, generator=g).bfloat16()
+    y[~layout.valid] = float("nan")
+    grad = torch.randn(tokens, width, generator=g) * 3
+    return layout, weights, x, y, grad
+
+
+@pytest.mark.parametrize("chunk", [16, 1024])
+def test_routing_kernels_are_the_reference_bit_for_bit(chunk, monkeypatch):
+    """hf_fp4.kernels.routing (Triton's interpreter here; CUDA in the GPU suite) against the torch forms of
+    hf_fp4.nn.grouping: gather_rows and token_sum bit for bit (the slots summed in order, each product rounded,
+    the weighted gather rounded once to BF16), pair_dot within FP32 accumulation error of the float64 dot.  Columns
+    in one chunk and in three (a ragged last one)."""
+    from hf_fp4.kernels import routing
+    from hf_fp4.nn import grouping
+
+    monkeypatch.setattr(routing, "BH", chunk)
+    layout, weights, x, y, grad = _routed_case(11)
+    k, w = layout.top_k, weights.reshape(-1)
+    for args in [(x, layout.rows, k, None, None), (grad, layout.rows, k, w, torch.bfloat16),
+                 (grad, layout.rows, k, w, torch.float32)]:
+        want, got = grouping.gather_rows_reference(*args), routing.gather_rows(*args)
+        assert got.dtype == want.dtype and torch.equal(bits(got), bits(want))
+    for wk in (None, w):
+        want = grouping.token_sum_reference(y, layout.pos, k, wk)
+        got = routing.token_sum(y, layout.pos, k, wk)
+        assert want.isfinite().all() and torch.equal(bits(got), bits(want))
+    got = routing.pair_dot(grad, y, layout.pos, k)
+    rows = y.shape[0]
+    picked = y[layout.pos.clamp(max=rows - 1)].double()
+    terms = grad.double().repeat_interleave(k, 0) * picked
+    routed = layout.pos < rows
+    exact = torch.where(routed, terms.sum(-1), 0.0)
+    bound = y.shape[1] * 2.0 ** -24 * torch.where(routed, terms.abs().sum(-1), 0.0)
+    assert got.isfinite().all() and ((got.double() - exact).abs() <= bound).all()
+    assert (got[~routed] == 0).all()
+
+
+def test_the_grouped_layers_routing_runs_on_the_kernels_as_on_the_reference(monkeypatch):
+    """gather and combine with the routing kernels (KERNELS_ON_CPU: the interpreter) give the reference path's
+    outputs and gradients: x's and y's bit for bit, the weights' within FP32 accumulation error."""
+    from hf_fp4.nn import grouping
+
+    layout, weights, x, y, grad = _routed_case(12)
+    y = torch.where(layout.valid[:, None], y, 0.0)  # finite padding: y feeds a product below
+    runs = []
+    for kernels in (False, True):
+        monkeypatch.setattr(grouping, "KERNELS_ON_CPU", kernels)
+        xi, yi, wi = (t.clone().requires_grad_() for t in (x, y, weights.nan_to_num(0.5)))
+        gathered = layout.gather(xi)
+        out = layout.combine(yi + gathered.float().sum(-1, keepdim=True).bfloat16(), wi, x.shape[0])
+        out.backward(grad)
+        runs.append((gathered, out, xi.grad, yi.grad, wi.grad))
+    for a, b in zip(runs[0][:4], runs[1][:4]):
+        assert torch.equal(a, b)
+    assert torch.allclose(runs[0][4], runs[1][4], rtol=1e-5, atol=1e-5)
+
+
+def test_combine_refuses_weights_of_another_shape():
+    layout, weights, x, y, grad = _routed_case(13)
+    with pytest.raises(ValueError, match=r"weights must be \[29, 3\]"):
+        layout.combine(y, weights.reshape(-1), 29)

@@ -66,18 +66,109 @@ class GroupLayout:
         """y [R, H] -> [T, H] in FP32: each token's rows weighted by its routing weight (weights [T, k]) and
         summed over the slots in order.  Padding rows are dropped whatever they hold (a bias, or a NaN from a
         non-finite weight): only the pairs' rows are read."""
-        return self.token_sum(y, weights, num_tokens)
+        if weights.shape != (num_tokens, self.top_k):
+            raise ValueError(f"combine: weights must be [{num_tokens}, {self.top_k}], got {tuple(weights.shape)}")
+        return _Combine.apply(y, weights, self)
 
-    def token_sum(self, y: torch.Tensor, weights: torch.Tensor | None, num_tokens: int) -> torch.Tensor:
+    def token_sum(self, y: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
         """[T, H] in FP32: sum over each token's slots s of weights[t, s] * y[row of (t, s)] (weights None: 1),
-        reduced over the slots in FP32; a slot routed nowhere adds 0."""
-        rows = y.shape[0]
-        routed = (self.pos < rows)[:, None]
-        picked = y[self.pos.clamp(max=rows - 1)].float()
-        if weights is not None:
-            picked = picked * weights.reshape(-1, 1).float()
-        picked = torch.where(routed, picked, 0.0)
-        return picked.view(num_tokens, self.top_k, y.shape[1]).sum(1)
+        reduced over the slots in order in FP32; a slot routed nowhere adds 0.  Not differentiable (combine and
+        gather's backward are)."""
+        w = None if weights is None else weights.reshape(-1)
+        return _routing_call("token_sum", y, y.contiguous(), self.pos, self.top_k, w)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The three routing passes: the torch forms below are the spec (and the CPU path); on CUDA the Triton kernels of
+# hf_fp4.kernels.routing compute the same (bit for bit; pair_dot within FP32 accumulation error), as custom ops
+# registered as the operand kernels are (operands.custom_call): a triton_op that torch.compile traces into, an
+# opaque op otherwise.
+
+#: run the Triton kernels on the CPU too (Triton's interpreter): the tests' switch; on CUDA they always run
+KERNELS_ON_CPU = False
+
+
+def gather_rows_reference(x: torch.Tensor, rows: torch.Tensor, k: int, w: torch.Tensor | None = None,
+                          out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """[R, H]: x[rows[r] // k] (times w[rows[r]] in FP32 when given, rounded once to out_dtype), 0 where
+    rows[r] < 0."""
+    valid = (rows >= 0)[:, None]
+    picked = x[rows.clamp(min=0) // k]
+    if w is None:
+        return torch.where(valid, picked, picked.new_zeros(())).to(out_dtype or x.dtype)
+    picked = picked.float() * w[rows.clamp(min=0)].float()[:, None]
+    return torch.where(valid, picked, 0.0).to(out_dtype or x.dtype)
+
+
+def token_sum_reference(y: torch.Tensor, pos: torch.Tensor, k: int, w: torch.Tensor | None = None) -> torch.Tensor:
+    """[T, H] FP32: for each token, acc = 0, then acc += FP32(y[pos[t*k+s]]) * w[t*k+s] for s = 0..k-1 in order
+    (each product and sum rounded), a slot with pos >= R adding 0."""
+    rows, tokens = y.shape[0], pos.shape[0] // k
+    routed = (pos < rows).view(tokens, k)
+    picked = y[pos.clamp(max=rows - 1)].view(tokens, k, y.shape[1])
+    wk = None if w is None else w.float().view(tokens, k)
+    acc = torch.zeros(tokens, y.shape[1], dtype=torch.float32, device=y.device)
+    for s in range(k):
+        v = picked[:, s].float()
+        if wk is not None:
+            v = v * wk[:, s, None]
+        acc = acc + torch.where(routed[:, s, None], v, 0.0)
+    return acc
+
+
+def pair_dot_reference(g: torch.Tensor, y: torch.Tensor, pos: torch.Tensor, k: int) -> torch.Tensor:
+    """[T*k] FP32: g[t] . y[pos[t*k+s]] (FP32), 0 for a pair routed nowhere."""
+    rows = y.shape[0]
+    picked = y[pos.clamp(max=rows - 1)].float()
+    dots = (g.float().repeat_interleave(k, 0) * picked).sum(-1)
+    return torch.where(pos < rows, dots, 0.0)
+
+
+def _gather_rows_impl(x: torch.Tensor, rows: torch.Tensor, k: int, w: torch.Tensor | None,
+                      out_dtype: torch.dtype) -> torch.Tensor:
+    from ..kernels.routing import gather_rows
+
+    return gather_rows(x, rows, k, w, out_dtype)
+
+
+def _token_sum_impl(y: torch.Tensor, pos: torch.Tensor, k: int, w: torch.Tensor | None) -> torch.Tensor:
+    from ..kernels.routing import token_sum
+
+    return token_sum(y, pos, k, w)
+
+
+def _pair_dot_impl(g: torch.Tensor, y: torch.Tensor, pos: torch.Tensor, k: int) -> torch.Tensor:
+    from ..kernels.routing import pair_dot
+
+    return pair_dot(g, y, pos, k)
+
+
+def _register(name: str, impl, fake):
+    opaque = torch.library.custom_op(f"hf_fp4::{name}", impl, mutates_args=())
+    opaque.register_fake(fake)
+    return impl, opaque, torch.library.triton_op(f"hf_fp4::{name}_cuda", impl, mutates_args=())
+
+
+_ROUTING_OPS = {
+    "gather_rows": _register("gather_rows", _gather_rows_impl,
+                             lambda x, rows, k, w, out_dtype: x.new_empty(rows.shape[0], x.shape[1], dtype=out_dtype)),
+    "token_sum": _register("token_sum", _token_sum_impl,
+                           lambda y, pos, k, w: y.new_empty(pos.shape[0] // k, y.shape[1], dtype=torch.float32)),
+    "pair_dot": _register("pair_dot", _pair_dot_impl,
+                          lambda g, y, pos, k: y.new_empty(pos.shape[0], dtype=torch.float32)),
+}
+_REFERENCES = {"gather_rows": gather_rows_reference, "token_sum": token_sum_reference,
+               "pair_dot": pair_dot_reference}
+
+
+def _routing_call(name: str, t: torch.Tensor, *args):
+    """One routing pass on t's device: the kernels on CUDA (or on the CPU when KERNELS_ON_CPU), else the torch
+    reference."""
+    if not (t.is_cuda or KERNELS_ON_CPU):
+        return _REFERENCES[name](*args)
+    from .operands import custom_call
+
+    return custom_call(*_ROUTING_OPS[name], t)(*args)
 
 
 class _Gather(torch.autograd.Function):
@@ -85,12 +176,38 @@ class _Gather(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, layout):
-        ctx.layout, ctx.tokens = layout, x.shape[0]
-        return torch.where(layout.valid[:, None], x[layout.tokens], x.new_zeros(()))
+        ctx.layout = layout
+        x = x.contiguous()
+        return _routing_call("gather_rows", x, x, layout.rows, layout.top_k, None, x.dtype)
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.layout.token_sum(grad, None, ctx.tokens).to(grad.dtype), None
+        return ctx.layout.token_sum(grad).to(grad.dtype), None
+
+
+class _Combine(torch.autograd.Function):
+    """GroupLayout.combine: out [T, H] FP32 = token_sum of y's rows weighted by the routing weights.  Backward:
+    y's row of pair (t, s) gets w[t, s] * dOut[t] (FP32, rounded once to y's dtype; padding rows 0), w[t, s] gets
+    dOut[t] . y[row of (t, s)] -- gathers and per-pair dots, no scatter."""
+
+    @staticmethod
+    def forward(ctx, y, weights, layout):
+        ctx.layout = layout
+        ctx.save_for_backward(y, weights)
+        return layout.token_sum(y, weights)
+
+    @staticmethod
+    def backward(ctx, grad):
+        y, weights = ctx.saved_tensors
+        layout, k = ctx.layout, ctx.layout.top_k
+        grad = grad.float().contiguous()
+        dy = dw = None
+        if ctx.needs_input_grad[0]:
+            dy = _routing_call("gather_rows", grad, grad, layout.rows, k, weights.reshape(-1), y.dtype)
+        if ctx.needs_input_grad[1]:
+            y = y.contiguous()
+            dw = _routing_call("pair_dot", y, grad, y, layout.pos, k).view_as(weights).to(weights.dtype)
+        return dy, dw, None
 
 
 def padded_rows(num_pairs: int, num_experts: int, align: int) -> int:

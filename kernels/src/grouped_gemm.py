@@ -107,12 +107,13 @@ def _store(out_ptr, ld_out, rows, cols, mask, acc, OUT_BF16: tl.constexpr):
 
 @triton.jit
 def _grouped_rows_kernel(a, a_scale, a_flags, a_x, lda, b, b_scale, b_flags, b_x, ldb, b_step, bs_step, bf_step,
-                         out_ptr, ld_out, ends_ptr, E, N, K,
+                         out_ptr, ld_out, ends_ptr, M, E, N, K,
                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr,
                          SCALED: tl.constexpr, OUT_BF16: tl.constexpr, INTERPRETED: tl.constexpr):
     """Persistent: program p takes tiles p, p + P, ... of the list (expert, row tile, column tile), row tiles of an
-    expert's segment first-major so that neighbouring programs share the segment's rows.  Expert e's B starts
-    e * b_step elements further (FP8: its exact copy too; row scales e * bs_step, row flags e * bf_step)."""
+    expert's segment first-major so that neighbouring programs share the segment's rows, then the zero tiles of
+    the M - ends[E-1] rows past the last segment.  Expert e's B starts e * b_step elements further (FP8: its exact
+    copy too; row scales e * bs_step, row flags e * bf_step)."""
     n_tiles = tl.cdiv(N, BN)
     tile = tl.program_id(0)
     seen = 0
@@ -132,6 +133,15 @@ def _grouped_rows_kernel(a, a_scale, a_flags, a_x, lda, b, b_scale, b_flags, b_x
             tile += tl.num_programs(0)
         seen += count
         start = end
+    # the rows past the last segment are zero: the output is defined everywhere (no select over it afterwards)
+    count = tl.cdiv(M - start, BM) * n_tiles
+    while tile < seen + count:
+        local = tile - seen
+        rows = start + (local // n_tiles) * BM + tl.arange(0, BM)
+        cols = (local % n_tiles) * BN + tl.arange(0, BN)
+        _store(out_ptr, ld_out, rows, cols, (rows[:, None] < M) & (cols[None, :] < N),
+               tl.zeros([BM, BN], dtype=tl.float32), OUT_BF16)
+        tile += tl.num_programs(0)
 
 
 @triton.jit
@@ -167,7 +177,7 @@ def grouped_rows(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, n: int, k
                  out_dtype: torch.dtype = torch.bfloat16, out: torch.Tensor | None = None) -> torch.Tensor:
     """out [R, n]: the rows of segment e of a [R, >=k] times B_e^T, B_e [n, k] = the [n, k] matrix at b's element
     offset e * b_step (rows of stride b.stride(0), contraction contiguous), FP32 accumulation, times
-    a_scale[e] * b_scale[e] when given, rounded once to out_dtype.  Rows past ends[-1] are left as they are."""
+    a_scale[e] * b_scale[e] when given, rounded once to out_dtype.  Rows past ends[-1] are zero."""
     _check(ends, a_scale, b_scale)
     if a.stride(1) != 1 or b.stride(1) != 1:
         raise ValueError("grouped_rows reads a and b with a contiguous contraction dim")
@@ -191,7 +201,7 @@ def _launch_rows(out, a_args, b_args, steps, ends, n, k, fp8, scaled):
     bm, bn, bk, warps, stages = FP8_TILE if fp8 else TILE
     dev = out.device
     launcher(_grouped_rows_kernel)[(default_programs(out),)](
-        *a_args, *b_args, *steps, out, out.stride(0), ends, ends.shape[0], n, k, BM=bm, BN=bn, BK=bk, FP8=fp8,
+        *a_args, *b_args, *steps, out, out.stride(0), ends, out.shape[0], ends.shape[0], n, k, BM=bm, BN=bn, BK=bk, FP8=fp8,
         SCALED=scaled, OUT_BF16=out.dtype == torch.bfloat16, INTERPRETED=dev.type != "cuda", num_warps=warps,
         num_stages=stages)
 
@@ -240,6 +250,7 @@ def _rows_torch(a, b, ends, n, k, b_step, a_scale, b_scale, out):
         b_e = torch.as_strided(b, (n, k), (b.stride(0), 1), b.storage_offset() + e * b_step)
         acc = a[start:end, :k].float() @ b_e.float().t()
         out[start:end] = _scaled(acc, a_scale, b_scale, e).to(out.dtype)
+    out[int(ends[-1]) if ends.numel() else 0:] = 0
     return out
 
 
