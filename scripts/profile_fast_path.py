@@ -419,12 +419,51 @@ def profile_moe(dev: str, names: list[str], steps: int = 3) -> None:
 
     for name, step, shape in moe_steps(dev, False, names):
         wall = timed(step, [()], warmup=2, reps=5)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=activities, record_shapes=True) as prof:
             for _ in range(steps):
                 step()
             torch.cuda.synchronize()
         kernel_table(prof, steps, f"MoE {name} ({shape}): {wall:.2f} ms waited", wall, rows=24)
+        op_table(prof, steps)
+        if name.startswith("hf_fp4:"):
+            lost_block_census(step)
         torch.cuda.empty_cache()
+
+
+def op_table(prof, steps: int, rows: int = 24) -> None:
+    """GPU time per operator (and input shapes) and step: which torch op or custom op launched the kernels of
+    kernel_table -- a generic elementwise kernel there names no op."""
+    ops = [e for e in prof.key_averages(group_by_input_shape=True)
+           if e.device_type == torch.autograd.DeviceType.CPU and e.self_device_time_total > 0]
+    print("| op | input shapes | ms per step (own kernels) | calls per step |")
+    for e in sorted(ops, key=lambda e: -e.self_device_time_total)[:rows]:
+        print(f"| {e.key[:50]} | {str(e.input_shapes)[:80]} | {e.self_device_time_total / 1e3 / steps:.3f} | "
+              f"{e.count / steps:g} |")
+
+
+def lost_block_census(step) -> None:
+    """One more step with the grouped FP8 GEMMs' operands read back (host syncs, untimed): rows flagged (blocks
+    lost to E4M3, recomputed exactly from BF16 copies) per GEMM call -- a flagged operand writes its copies."""
+    import hf_fp4.kernels.grouped_gemm as gg
+
+    calls = []
+
+    def counting(fn, what):
+        def run(a, b, *args, **kw):
+            calls.append(f"{what}: a {int(a.flags[:-1].sum())}/{a.flags.numel() - 1} rows, "
+                         f"b {int(b.flags[:-1].sum())}/{b.flags.numel() - 1} rows flagged")
+            return fn(a, b, *args, **kw)
+        return run
+
+    saved = gg.grouped_rows_fp8, gg.grouped_contraction_fp8
+    gg.grouped_rows_fp8 = counting(saved[0], "rows")
+    gg.grouped_contraction_fp8 = counting(saved[1], "contraction")
+    try:
+        step()
+    finally:
+        gg.grouped_rows_fp8, gg.grouped_contraction_fp8 = saved
+    print("lost blocks per FP8 GEMM call:", "; ".join(calls) or "no FP8 GEMM")
 
 
 def correction_tiles(dev: str, k: int = 4096, n: int = 4096, tokens: int = 8192) -> None:
