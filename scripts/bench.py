@@ -589,8 +589,9 @@ def moe_steps(dev, quick, names):
         nn.init.normal_(holder.experts.gate_up_proj, std=0.02)
         nn.init.normal_(holder.experts.down_proj, std=0.02)
         if name.startswith("hf_fp4:"):
-            convert_model(holder, preset(name.split(":")[1]))
+            convert_model(holder, preset(name.split(":")[1].split("+")[0]))
             holder.experts.hf_fp4.grouped = not name.endswith(":loop")
+            holder.experts.hf_fp4.fp8_gemms = "+fp8gemm" in name
         else:
             cfg._experts_implementation = name.split(":")[1]
         xx = x.clone().requires_grad_()
@@ -602,15 +603,28 @@ def moe_steps(dev, quick, names):
         yield name, step, f"E{e} top{topk} H{hidden} I{inter} T{tokens}"
 
 
-def bench_moe(dev, quick, results, presets):
+def moe_names(impls: str | None, loop: bool = True) -> list[str]:
+    """The hf_fp4 rows of the MoE part: the presets --impls lists (all by default), each as hf_fp4:<preset> and, where
+    listed, hf_fp4:<preset>+fp8gemm / +bf16gemm (the experts' GEMM form); then the first preset's per-expert loop
+    (hf_fp4:<preset>:loop) unless loop is False (--no-moe-loop)."""
+    listed = None if impls is None else impls.split(",")
+    names = []
+    for p in FP4_PRESETS:
+        names += [f"hf_fp4:{p}{v}" for v in ("", "+fp8gemm", "+bf16gemm")
+                  if (listed is None and not v) or (listed is not None and f"hf_fp4:{p}{v}" in listed)]
+    first = next((n for n in names if "+" not in n), None)
+    return names + ([f"{first}:loop"] if loop and first else [])
+
+
+def bench_moe(dev, quick, results, fp4_names):
     """One MoE experts layer (issue 16) forward + backward: Transformers' bf16 implementations (grouped_mm,
     eager) against hf_fp4's FP4 experts, same routing."""
-    # hf_fp4:<preset> takes the grouped GEMMs (hf_fp4.nn.grouped: operands per expert group; FP8 grouped GEMMs for
-    # the MX family, BF16 ones with per-expert tensor scales for NVFP4 / UFP4); ":loop" runs the same preset's
-    # per-expert loop, side by side -- for the first preset only: a loop row costs ~0.3 s a step on the H200 and its
-    # kernels' compiles, and session 20's part (three presets, each with its loop) ran past 80 s without a row
-    loops = [f"hf_fp4:{presets[0]}:loop"] if presets else []
-    names = ["bf16:grouped_mm", "bf16:eager"] + [f"hf_fp4:{p}" for p in presets] + loops
+    # hf_fp4:<preset> takes the grouped GEMMs (hf_fp4.nn.grouped: operands per expert group; BF16 grouped GEMMs --
+    # torch._grouped_mm for the MX family, hf_fp4's with per-expert tensor scales for NVFP4 / UFP4); "+fp8gemm" runs
+    # the MX family's on hf_fp4's FP8 grouped GEMMs (+bf16gemm: the default, named); ":loop" the per-expert loop
+    # (~0.3 s a step on the H200 and its kernels' compiles: session 20's part, three presets each with its loop,
+    # ran past 80 s without a row)
+    names = ["bf16:grouped_mm", "bf16:eager"] + fp4_names
     rows, base, base_captured, shape = [], None, None, None
     for name, step, shape in moe_steps(dev, quick, names):
         try:
@@ -722,6 +736,7 @@ def main():
     parser.add_argument("--quick", action="store_true", help="tiny sizes (a CPU smoke test of the script)")
     parser.add_argument("--out", default="benchmarks", help="folder for results-<date>.{json,md}")
     parser.add_argument("--impls", default=None, help="comma list restricting the linear / e2e impls")
+    parser.add_argument("--no-moe-loop", action="store_true", help="MoE part: no per-expert loop row")
     parser.add_argument("--merge", nargs="*", default=None, help="merge these results JSON files into one")
     args = parser.parse_args()
     date = datetime.date.today().isoformat()
@@ -802,8 +817,7 @@ def main():
         text.append(bench_optim(dev, args.quick, results))
         write(results, stem, "\n".join(text))
     if "moe" in parts:
-        presets = [p for p in FP4_PRESETS if args.impls is None or f"hf_fp4:{p}" in args.impls.split(",")]
-        text.append(bench_moe(dev, args.quick, results, presets))
+        text.append(bench_moe(dev, args.quick, results, moe_names(args.impls, not args.no_moe_loop)))
     write(results, stem, "\n".join(text))
 
 

@@ -58,6 +58,16 @@ def per_expert_layers(module, state: ExpertsFP4):
     return layers
 
 
+def gemm_variant(model, variant: str) -> None:
+    """"+fp8gemm" / "+bf16gemm" after a recipe: set_fp8_gemms(model, True / False), checked on the experts' plans
+    (the MX family's experts run BF16 GEMMs by default, FP4 linears FP8); "" keeps the defaults."""
+    if variant:
+        fp8 = {"fp8gemm": True, "bf16gemm": False}[variant]
+        hf_fp4.set_fp8_gemms(model, fp8)
+        for state in experts_states(model).values():
+            assert state.plans["triton"].forms == ("fp8" if fp8 else "bf16",) * 3
+
+
 def composed_forward(module, layers, x, index, weights):
     """The experts layer written as a loop over FP4Linear layers, tokens of each expert in sequence order."""
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
@@ -73,7 +83,8 @@ def composed_forward(module, layers, x, index, weights):
 
 CASES = [(a, r, "reference") for a in sorted(ARCHS) for r in ("nvfp4", "mxfp4", "ufp4")] + [
     ("qwen3_moe", "nvfp4", "triton"), ("mixtral", "mxfp4", "triton"),  # the fast path (interpreted on the CPU)
-    ("mixtral", "mxfp4+bf16gemm", "triton"),  # set_fp8_gemms(model, False): the MX GEMMs in the BF16 form
+    ("mixtral", "mxfp4+fp8gemm", "triton"),  # set_fp8_gemms(model, True): the MX GEMMs in the FP8 form (the
+    # experts' default is BF16, the FP4 linears' FP8)
     ("olmoe", "fullstack", "reference")]  # LoRA-SVD factors per expert (added outside the FP4 GEMMs: any backend)
 
 
@@ -88,15 +99,13 @@ def test_experts_layer_equals_per_expert_fp4_linears(arch, recipe, backend):
     name, module = next(iter(experts_modules(model).items()))
     state = module.hf_fp4
     state.backend = backend
-    if variant:
-        hf_fp4.set_fp8_gemms(model, False)
-        assert state.plans["triton"].forms == ("bf16", "bf16", "bf16")
+    gemm_variant(model, variant)
     assert model.config._experts_implementation == "hf_fp4" and state.recipe == preset(recipe).linear
     layers = per_expert_layers(module, state)
     for pair in layers:
         for lin in pair:
             lin.to(dev).backend = backend
-            lin.fp8_gemms = not variant
+            lin.fp8_gemms = state.fp8_gemms
     up = "gate_up_proj" if module.has_gate else "up_proj"
     for call in range(2):
         x = torch.randn(24, 64, generator=torch.Generator().manual_seed(call)).to(dev).requires_grad_()
@@ -365,6 +374,9 @@ def test_bf16_export_folds_each_experts_lora_svd_factors(tmp_path):
 def test_set_fp8_gemms_moves_every_linear_and_experts_module_and_back():
     model = moe_model("mixtral", "mxfp4")
     linears, experts = hf_fp4.fp4_modules(model), experts_states(model)
+    # the defaults: FP8 GEMMs for the FP4 linears, BF16 (torch._grouped_mm) for the experts
+    assert {m._plans["triton"].forms for m in linears.values()} == {("fp8", "fp8", "fp8")}
+    assert {s.plans["triton"].forms for s in experts.values()} == {("bf16", "bf16", "bf16")}
     assert hf_fp4.set_fp8_gemms(model, False) == len(linears) + len(experts) and len(experts) > 0
     forms = [m._plans["triton"].forms for m in linears.values()] + [s.plans["triton"].forms for s in experts.values()]
     assert set(forms) == {("bf16", "bf16", "bf16")}
@@ -378,8 +390,7 @@ def _grouped_vs_loop(arch, recipe, grouped, seed=0, dev="cpu"):
     and the 3D weight gradients, with the grouped GEMMs on or off."""
     recipe, _, variant = recipe.partition("+")
     model = moe_model(arch, recipe).to(device=dev, dtype=torch.bfloat16)
-    if variant:  # "+bf16gemm": the MX family's GEMMs in BF16 (torch._grouped_mm), not FP8
-        hf_fp4.set_fp8_gemms(model, False)
+    gemm_variant(model, variant)
     module = next(iter(experts_modules(model).values()))
     state = module.hf_fp4
     state.backend, state.grouped = "triton", grouped
@@ -402,9 +413,9 @@ GROUPED_DEVICES = ["cpu"] * INTERPRETED + [pytest.param("cuda", marks=pytest.mar
 
 
 @pytest.mark.parametrize("dev", GROUPED_DEVICES)
-@pytest.mark.parametrize("arch,recipe", [("mixtral", "mxfp4"), ("qwen3_moe", "mxfp4_dh"), ("olmoe", "nvfp4"),
-                                         ("qwen3_moe", "ufp4"), ("mixtral", "tib"), ("qwen3_moe", "fullstack"),
-                                         ("olmoe", "mxfp4+bf16gemm")])
+@pytest.mark.parametrize("arch,recipe", [("mixtral", "mxfp4+fp8gemm"), ("qwen3_moe", "mxfp4_dh+fp8gemm"),
+                                         ("olmoe", "nvfp4"), ("qwen3_moe", "ufp4"), ("mixtral", "tib"),
+                                         ("qwen3_moe", "fullstack"), ("olmoe", "mxfp4")])
 def test_grouped_expert_gemms_equal_the_per_expert_loop(arch, recipe, dev):
     """The grouped path (hf_fp4.nn.grouped: gathered expert segments, one operand call per tensor, grouped GEMMs --
     FP8 for the MX family, BF16 with per-expert tensor scales for NVFP4 / UFP4, torch's for MX in BF16) against the

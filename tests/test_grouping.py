@@ -1,8 +1,13 @@
 """The routing layout of grouped expert GEMMs (hf_fp4.nn.grouping), against a loop over experts on the host."""
+import dataclasses
+
 import pytest
 import torch
 
 from hf_fp4.nn.grouping import group_layout, padded_rows
+
+#: where the routing kernels run: CUDA in the GPU suite, Triton's interpreter on the CPU
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def loop_layout(index: torch.Tensor, num_experts: int, align: int):
@@ -141,15 +146,19 @@ def test_routing_kernels_are_the_reference_bit_for_bit(chunk, monkeypatch):
     monkeypatch.setattr(routing, "BH", chunk)
     layout, weights, x, y, grad = _routed_case(11)
     k, w = layout.top_k, weights.reshape(-1)
+
+    def on_dev(*args):
+        return [a.to(DEV) if isinstance(a, torch.Tensor) else a for a in args]
+
     for args in [(x, layout.rows, k, None, None), (grad, layout.rows, k, w, torch.bfloat16),
                  (grad, layout.rows, k, w, torch.float32)]:
-        want, got = grouping.gather_rows_reference(*args), routing.gather_rows(*args)
+        want, got = grouping.gather_rows_reference(*args), routing.gather_rows(*on_dev(*args)).cpu()
         assert got.dtype == want.dtype and torch.equal(bits(got), bits(want))
     for wk in (None, w):
         want = grouping.token_sum_reference(y, layout.pos, k, wk)
-        got = routing.token_sum(y, layout.pos, k, wk)
+        got = routing.token_sum(*on_dev(y, layout.pos, k, wk)).cpu()
         assert want.isfinite().all() and torch.equal(bits(got), bits(want))
-    got = routing.pair_dot(grad, y, layout.pos, k)
+    got = routing.pair_dot(*on_dev(grad, y, layout.pos, k)).cpu()
     rows = y.shape[0]
     picked = y[layout.pos.clamp(max=rows - 1)].double()
     terms = grad.double().repeat_interleave(k, 0) * picked
@@ -168,13 +177,15 @@ def test_the_grouped_layers_routing_runs_on_the_kernels_as_on_the_reference(monk
     layout, weights, x, y, grad = _routed_case(12)
     y = torch.where(layout.valid[:, None], y, 0.0)  # finite padding: y feeds a product below
     runs = []
-    for kernels in (False, True):
+    for dev, kernels in (("cpu", False), (DEV, True)):
         monkeypatch.setattr(grouping, "KERNELS_ON_CPU", kernels)
-        xi, yi, wi = (t.clone().requires_grad_() for t in (x, y, weights.nan_to_num(0.5)))
-        gathered = layout.gather(xi)
-        out = layout.combine(yi + gathered.float().sum(-1, keepdim=True).bfloat16(), wi, x.shape[0])
-        out.backward(grad)
-        runs.append((gathered, out, xi.grad, yi.grad, wi.grad))
+        lay = grouping.GroupLayout(**{f.name: (getattr(layout, f.name).to(dev) if isinstance(
+            getattr(layout, f.name), torch.Tensor) else getattr(layout, f.name)) for f in dataclasses.fields(layout)})
+        xi, yi, wi = (t.clone().to(dev).requires_grad_() for t in (x, y, weights.nan_to_num(0.5)))
+        gathered = lay.gather(xi)
+        out = lay.combine(yi + gathered.float().sum(-1, keepdim=True).bfloat16(), wi, x.shape[0])
+        out.backward(grad.to(dev))
+        runs.append([t.detach().cpu().clone() for t in (gathered, out, xi.grad, yi.grad, wi.grad)])
     for a, b in zip(runs[0][:4], runs[1][:4]):
         assert torch.equal(a, b)
     assert torch.allclose(runs[0][4], runs[1][4], rtol=1e-5, atol=1e-5)
@@ -184,3 +195,21 @@ def test_combine_refuses_weights_of_another_shape():
     layout, weights, x, y, grad = _routed_case(13)
     with pytest.raises(ValueError, match=r"weights must be \[29, 3\]"):
         layout.combine(y, weights.reshape(-1), 29)
+
+
+@pytest.mark.parametrize("end", [83, 96])
+def test_zero_tail_zeroes_the_rows_past_the_last_segment_and_nothing_else(end, monkeypatch):
+    """zero_tail_ (the rows torch._grouped_mm leaves unwritten): the kernel (interpreter / CUDA) and the reference
+    zero out[ends[-1]:] in place, on the device, and leave every other row as it was; ends[-1] == R zeroes nothing."""
+    from hf_fp4.nn import grouping
+
+    g = torch.Generator().manual_seed(4)
+    out = torch.randn(96, 200, generator=g).bfloat16()
+    ends = torch.tensor([10, 40, end], dtype=torch.int32)
+    want = out.clone()
+    want[end:] = 0
+    for dev, kernels in (("cpu", False), (DEV, True)):
+        monkeypatch.setattr(grouping, "KERNELS_ON_CPU", kernels)
+        got = out.clone().to(dev)
+        assert grouping.zero_tail_(got, ends.to(dev)) is got
+        assert torch.equal(bits(got.cpu()), bits(want)), (dev, kernels)

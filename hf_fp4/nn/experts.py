@@ -55,7 +55,10 @@ class ExpertsFP4:
         self.packed_rows: dict[str, int] = {}  # while a packed export loads: each projection's output rows
         # the fast path's grouped GEMMs (hf_fp4.nn.grouped) where they are bit-identical to the loop; False: the loop
         self.grouped = True
-        self._frozen, self._fp8_gemms = False, True
+        # the MX family's expert GEMMs on the BF16 tensor cores by default (torch._grouped_mm; exact products as the
+        # FP8 ones): hf_fp4's Triton FP8 grouped GEMMs ran no faster than BF16 ones and their wgrad operands flag
+        # lost blocks at the segments' tails (profile_fast_path.py --moe, 2026-12-06); fp8_gemms = True takes them
+        self._frozen, self._fp8_gemms = False, False
         self._build_plans()
         self.projections = projections
         self._bases = torch.tensor([[seed_bases(seed, f"{name}.{p}.{e}") for e in range(num_experts)]
@@ -70,7 +73,7 @@ class ExpertsFP4:
 
     frozen = plan_switch("_frozen", "A packed export's 3D weights hold each expert's stored fprop operand.")
     fp8_gemms = plan_switch("_fp8_gemms", "As FP4Linear.fp8_gemms: the MX family's GEMMs on the FP8 (True) or BF16 "
-                            "tensor cores.")
+                            "tensor cores (False, the experts' default).")
 
     def freeze(self, frozen: bool) -> None:
         """frozen: a packed export's 3D weights hold each expert's stored fprop operand (inference)."""

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from .autograd import ROLES, tensor_operands
-from .grouping import GroupLayout
+from .grouping import GroupLayout, zero_tail_
 from .operands import LinearPlan, Operand, OperandPlan, RowGroups, custom_call, fp8_shift
 from .recipe import GEMMS
 
@@ -176,11 +176,11 @@ def _two_level(plan: LinearPlan) -> bool:
     return any(p is not None and p.stat == 2 for p in (*plan.x, *plan.w, *plan.dy))
 
 
-def _rows_gemm(form: str, a: Operand, b: Operand, pa: OperandPlan, pb: OperandPlan, plan: LinearPlan, ends, valid,
-               e: int, rows: int, n: int, k: int, weight_rows: bool, t: torch.Tensor) -> torch.Tensor:
+def _rows_gemm(form: str, a: Operand, b: Operand, pa: OperandPlan, pb: OperandPlan, plan: LinearPlan, ends, e: int,
+               rows: int, n: int, k: int, weight_rows: bool, t: torch.Tensor) -> torch.Tensor:
     """[R, n]: segment e of a [R, k] times expert e's B -- the stacked weights' rows e*n.. (weight_rows, fprop) or
     W^T's columns e*k.. (dgrad: B [n, E*k], its contraction k) -- in the GEMM's form; zero past the last segment
-    (hf_fp4's grouped kernels write those rows; torch._grouped_mm's are selected away)."""
+    (hf_fp4's grouped kernels write those rows; torch._grouped_mm's are zeroed in place by zero_tail_)."""
     if form == "fp8":
         if weight_rows:
             steps = [n * b.data.stride(0), n, n]
@@ -194,7 +194,7 @@ def _rows_gemm(form: str, a: Operand, b: Operand, pa: OperandPlan, pb: OperandPl
                                                                     _scales(a, pa, e), _scales(b, pb, e))
     w = (b.data[:e * n, :k].view(e, n, k).transpose(1, 2) if weight_rows
          else b.data[:n, :e * k].view(n, e, k).permute(1, 2, 0))
-    return torch.where(valid[:, None], torch._grouped_mm(a.data[:rows, :k], w, offs=ends), 0.0)
+    return zero_tail_(torch._grouped_mm(a.data[:rows, :k], w, offs=ends), ends)
 
 
 class GroupedFP4Function(torch.autograd.Function):
@@ -209,7 +209,7 @@ class GroupedFP4Function(torch.autograd.Function):
     over [R, N] is made here (one cost ~1-3 ms per projection at 64 experts x 16k tokens, 2026-12-06)."""
 
     @staticmethod
-    def forward(ctx, xg, weight, ends, valid, seeds, signs, groups, plan: LinearPlan, need):
+    def forward(ctx, xg, weight, ends, seeds, signs, groups, plan: LinearPlan, need):
         e, n, k = weight.shape
         rows = xg.shape[0]
         g_x, g_w, g_dy = groups
@@ -217,18 +217,18 @@ class GroupedFP4Function(torch.autograd.Function):
         ox, oxt = _pair(xg, plan, "x", x_seeds, signs, need[1], g_x)
         ow, owt = _pair(weight.reshape(e * n, k), plan, "w", seeds[:, 2:4].contiguous(), signs, need[0], g_w)
         # fprop: y = Q(x) Q(W_e)^T per segment    [R,K] @ [K,N] -> [R,N]
-        y = _rows_gemm(plan.forms[0], ox, ow, plan.x[0], plan.w[0], plan, ends, valid, e, rows, n, k, True, xg)
+        y = _rows_gemm(plan.forms[0], ox, ow, plan.x[0], plan.w[0], plan, ends, e, rows, n, k, True, xg)
         ctx.plan, ctx.shape, ctx.w_dtype = plan, (e, n, k, rows), weight.dtype
         ctx.dy_grouped = g_dy is not None
         none = (None,) * 5
-        ctx.save_for_backward(ends, valid, seeds, *signs, *(oxt or none), *(owt or none), *(g_dy or ()))
+        ctx.save_for_backward(ends, seeds, *signs, *(oxt or none), *(owt or none), *(g_dy or ()))
         return y
 
     @staticmethod
     def backward(ctx, dy):
         e, n, k, rows = ctx.shape
         plan = ctx.plan
-        ends, valid, seeds, *rest = ctx.saved_tensors
+        ends, seeds, *rest = ctx.saved_tensors
         signs, rest = tuple(rest[:len(GEMMS)]), rest[len(GEMMS):]
         oxt, owt = Operand(*rest[:5]), Operand(*rest[5:10])
         g_dy = RowGroups(*rest[10:]) if ctx.dy_grouped else None
@@ -237,8 +237,7 @@ class GroupedFP4Function(torch.autograd.Function):
         dx = dw = None
         if need_dx:
             # dgrad: dx = Q(dy) Q(W_e^T)^T per segment    [R,N] @ [N,K] -> [R,K]
-            dx = _rows_gemm(plan.forms[1], ody, owt, plan.dy[0], plan.w[1], plan, ends, valid, e, rows, k, n, False,
-                            dy)
+            dx = _rows_gemm(plan.forms[1], ody, owt, plan.dy[0], plan.w[1], plan, ends, e, rows, k, n, False, dy)
         if need_dw:
             # wgrad: dW_e = Q(dy_e^T) Q(x_e^T)^T per expert    [N,R_e] @ [R_e,K] -> [N,K]
             pa, pb = plan.dy[1], plan.x[1]
@@ -251,7 +250,7 @@ class GroupedFP4Function(torch.autograd.Function):
             else:
                 dw = torch._grouped_mm(odyt.data[:n, :rows], oxt.data[:k, :rows].t(), offs=ends)
             dw = dw.to(ctx.w_dtype)
-        return dx, dw, None, None, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None
 
 
 def _pair(t, plan: LinearPlan, tensor: str, seeds, signs, both: bool, groups: RowGroups | None):
@@ -269,4 +268,4 @@ def grouped_projection(layout: GroupLayout, xg: torch.Tensor, weight: torch.Tens
     groups = (segment_groups(layout, plan.x[1]) if _per_group(plan.x) else None,
               weight_groups(e, n, weight.device, plan.w[1]) if _per_group(plan.w) else None,
               segment_groups(layout, plan.dy[1]) if _per_group(plan.dy) else None)
-    return GroupedFP4Function.apply(xg, weight, layout.ends, layout.valid, seeds, signs, groups, plan, need)
+    return GroupedFP4Function.apply(xg, weight, layout.ends, seeds, signs, groups, plan, need)

@@ -79,7 +79,7 @@ class GroupLayout:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The three routing passes: the torch forms below are the spec (and the CPU path); on CUDA the Triton kernels of
+# The routing passes (and zero_tail_): the torch forms below are the spec (and the CPU path); on CUDA the Triton kernels of
 # hf_fp4.kernels.routing compute the same (bit for bit; pair_dot within FP32 accumulation error), as custom ops
 # registered as the operand kernels are (operands.custom_call): a triton_op that torch.compile traces into, an
 # opaque op otherwise.
@@ -143,10 +143,16 @@ def _pair_dot_impl(g: torch.Tensor, y: torch.Tensor, pos: torch.Tensor, k: int) 
     return pair_dot(g, y, pos, k)
 
 
-def _register(name: str, impl, fake):
-    opaque = torch.library.custom_op(f"hf_fp4::{name}", impl, mutates_args=())
+def _zero_tail_impl(out: torch.Tensor, ends: torch.Tensor) -> None:
+    from ..kernels.routing import zero_tail_
+
+    zero_tail_(out, ends)
+
+
+def _register(name: str, impl, fake, mutates=()):
+    opaque = torch.library.custom_op(f"hf_fp4::{name}", impl, mutates_args=mutates)
     opaque.register_fake(fake)
-    return impl, opaque, torch.library.triton_op(f"hf_fp4::{name}_cuda", impl, mutates_args=())
+    return impl, opaque, torch.library.triton_op(f"hf_fp4::{name}_cuda", impl, mutates_args=mutates)
 
 
 _ROUTING_OPS = {
@@ -156,9 +162,23 @@ _ROUTING_OPS = {
                            lambda y, pos, k, w: y.new_empty(pos.shape[0] // k, y.shape[1], dtype=torch.float32)),
     "pair_dot": _register("pair_dot", _pair_dot_impl,
                           lambda g, y, pos, k: y.new_empty(pos.shape[0], dtype=torch.float32)),
+    "zero_tail_": _register("zero_tail_", _zero_tail_impl, lambda out, ends: None, mutates=("out",)),
 }
+def zero_tail_reference_(out: torch.Tensor, ends: torch.Tensor) -> None:
+    """out[ends[-1]:] = 0 in place, on the device (no host read)."""
+    past = torch.arange(out.shape[0], device=out.device) >= ends[-1]
+    out.masked_fill_(past[:, None], 0)
+
+
 _REFERENCES = {"gather_rows": gather_rows_reference, "token_sum": token_sum_reference,
-               "pair_dot": pair_dot_reference}
+               "pair_dot": pair_dot_reference, "zero_tail_": zero_tail_reference_}
+
+
+def zero_tail_(out: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """out [R, N] with its rows past the last segment (ends [E], int32) set to zero in place: what
+    torch._grouped_mm leaves unwritten, without a select over all of out.  Returns out."""
+    _routing_call("zero_tail_", out, out, ends)
+    return out
 
 
 def _routing_call(name: str, t: torch.Tensor, *args):

@@ -14,6 +14,8 @@ NVFP4 MoE layer step (`profile_fast_path.py --moe`, 2026-12-06), more than its g
     pair_dot(g [T, H] FP32, y [R, H], pos [T*k], k) -> [T*k] FP32:
         g[t] . y[pos[t*k+s]]  (FP32 accumulation, any order: compared with the float64 product within FP32
         accumulation error, as the GEMMs are), 0 for a slot routed nowhere
+    zero_tail_(out [R, N], ends [E]):  out[ends[E-1]:] = 0 in place (the rows torch._grouped_mm leaves unwritten),
+        without reading ends on the host; writes nothing else
 
 The torch forms of the same definitions are hf_fp4.nn.grouping's reference (the CPU path, and the spec the
 tests hold these kernels to bit for bit; pair_dot within FP32 accumulation error).
@@ -82,6 +84,18 @@ def _pair_dot_kernel(g, y, pos, out, R, H, K: tl.constexpr, BH: tl.constexpr):
     tl.store(out + pair, tl.where(row < R, tl.sum(acc, axis=0), 0.0))
 
 
+@triton.jit
+def _zero_tail_kernel(out, ld, ends, E, R, N, BR: tl.constexpr, BH: tl.constexpr):
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    end = tl.load(ends + E - 1)
+    if tl.program_id(0) * BR + BR > end:  # the row tiles before the last segment's end return at once
+        zero = tl.zeros([BR, BH], dtype=out.dtype.element_ty)
+        for c0 in range(0, N, BH):
+            cols = c0 + tl.arange(0, BH)
+            mask = (rows[:, None] >= end) & (rows[:, None] < R) & (cols[None, :] < N)
+            tl.store(out + rows[:, None].to(tl.int64) * ld + cols[None, :], zero, mask=mask)
+
+
 def _check(name: str, t: torch.Tensor, dim: int):
     if t.dim() != dim or not t.is_contiguous():
         raise ValueError(f"{name}: needs a contiguous {dim}-D tensor, got shape {tuple(t.shape)}")
@@ -123,3 +137,13 @@ def pair_dot(g: torch.Tensor, y: torch.Tensor, pos: torch.Tensor, k: int) -> tor
     if out.numel():
         launcher(_pair_dot_kernel)[(pos.shape[0],)](g, y, pos, out, y.shape[0], y.shape[1], K=k, BH=BH)
     return out
+
+
+def zero_tail_(out: torch.Tensor, ends: torch.Tensor) -> None:
+    """out[ends[-1]:] = 0 in place (rows past the last segment); out's columns contiguous."""
+    if out.dim() != 2 or out.stride(1) != 1:
+        raise ValueError(f"zero_tail_: needs a 2-D tensor with contiguous rows, got shape {tuple(out.shape)}")
+    if out.numel():
+        br = 32
+        launcher(_zero_tail_kernel)[(triton.cdiv(out.shape[0], br),)](out, out.stride(0), ends, ends.shape[0],
+                                                                        out.shape[0], out.shape[1], BR=br, BH=128)
