@@ -764,7 +764,8 @@ def main():
                  f"hf_fp4:{p}:graphs" for p in FP4_PRESETS] + [f"hf_fp4:{p}+bf16gemm:graphs" for p in MX_PRESETS]
     if args.impls:
         keep = list(dict.fromkeys(args.impls.split(",")))
-        known = set(lin_names) | set(e2e_names)  # hf_fp4:<preset> (the attention / moe parts) is a linear name
+        # hf_fp4:<preset> (the attention / moe parts) is a linear name; the MoE part's experts GEMM forms beside it
+        known = set(lin_names) | set(e2e_names) | {f"hf_fp4:{p}+fp8gemm" for p in MX_PRESETS}
         if unknown := [n for n in keep if n not in known]:
             parser.error(f"unknown impl(s) {', '.join(unknown)}; valid: {', '.join(sorted(known))}")
         for label, names, part_names in (("linear", lin_names, ("linear", "linear_spread")),
