@@ -187,7 +187,7 @@ def cases():
            "b_scale_ptr": "*fp32"}, dict(BLOCK=gemm.SCALE_CAST_BLOCK, EVEN=True), 8)
     yield from fp8_correction_cases()
     for tc, t in ((True, "*bf16"), (False, "*fp32")):
-        # the tensor cores' path as FP4AttentionFunction runs it: O stored in BF16 by the kernel
+        # the tensor cores' path as fp4_attention runs it: O stored in BF16 by the kernel
         types = {"q_ptr": t, "k_ptr": t, "v_ptr": t, "dec_ptr": "*fp32", "keep_ptr": "*i8", "o_ptr": t,
                  "lse_ptr": "*fp32", "scale": "fp32"}
         bm, bn, warps = attention.FORWARD_TILE if tc else attention.IEEE_TILE

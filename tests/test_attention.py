@@ -399,23 +399,77 @@ def test_fullstack_is_every_piece_and_each_switches_off(corpus_files, tmp_path, 
     assert all(r["loss"] is not None and r["loss"] == r["loss"] for r in records(tmp_path / "run"))
 
 
-def test_compiled_blocks_run_fp4_attention_eagerly_and_auto_mode_avoids_cuda_graphs():
-    """compile_model: the attention reference runs outside the compiled graph (same loss as eager), and mode
-    "auto" does not pick CUDA graphs for a model with FP4 attention (its host-side checks cannot be captured)."""
+def test_compiled_blocks_keep_fp4_attention_in_their_graph():
+    """FP4 attention is one opaque custom op with an autograd formula: every decoder block compiles with
+    fullgraph=True (a graph break would raise) and gives the eager loss bit for bit (the gradients differ through
+    the compiled norms' and softmax's FP32 rounding, which FP4 rounding amplifies -- without FP4 attention too; the
+    attention op's own gradients are compared in test_fp4_attention_compiles_into_one_graph_with_its_eager_values).
+    CUDA graphs
+    (graph_safe, mode "auto") are allowed for round-to-nearest recipes on the flash backend, which read nothing on
+    the host; not for the reference backend (host-side non-finite checks) or stochastic rounding (a host counter
+    seeds each call)."""
+    import torch._dynamo
     from transformers import AutoModelForCausalLM
 
     from hf_fp4.nn.compile import graph_safe
 
+    torch._dynamo.reset()
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_config(), quantization_config=hf_fp4.FP4TrainConfig(
         "nvfp4", attention="nvfp4"))
     ids = torch.randint(0, 256, (2, 16))
-    eager = model(ids, labels=ids).loss
-    assert not graph_safe(model) and graph_safe(AutoModelForCausalLM.from_config(tiny_config()))
-    hf_fp4.compile_model(model, "auto", "aot_eager")
-    compiled = model(ids, labels=ids).loss
-    compiled.backward()
-    assert torch.equal(compiled, eager)
+
+    def loss_and_grads():
+        model.zero_grad()
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    eager, eager_grads = loss_and_grads()
+    for block in model.model.layers:
+        block.compile(backend="aot_eager", fullgraph=True, dynamic=False)
+    compiled, compiled_grads = loss_and_grads()
+    assert torch.equal(compiled, eager) and len(compiled_grads) == len(eager_grads) > 0
+    assert all(g.isfinite().all() for g in compiled_grads)
+    assert graph_safe(model) and graph_safe(AutoModelForCausalLM.from_config(tiny_config()))
+    model.config.hf_fp4_attention_backend = "reference"
+    assert not graph_safe(model)
+    model.config.hf_fp4_attention_backend = "auto"
+    from hf_fp4.nn.attention import enable
+
+    enable(model, {"q": "nvfp4", "k": "nvfp4", "v": "nvfp4",
+                   "ds": {**QuantSpec.preset("nvfp4").to_dict(), "rounding": "stochastic"}})
+    assert not graph_safe(model)
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("recipe,gqa,causal", [("nvfp4", 2, True), ("mxfp4", 1, False)])
+def test_fp4_attention_compiles_into_one_graph_with_its_eager_values(recipe, gqa, causal):
+    """torch.compile(fullgraph=True) of fp4_attention (forward and backward through the custom ops' autograd
+    formula) gives eager's output and Q, K, V gradients bit for bit, with a padding mask or causal."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 24, 32, generator=g)
+    k, v = (torch.randn(2, 4 // gqa, 24, 32, generator=g) for _ in range(2))
+    keep = None if causal else (torch.arange(24) < 19).view(1, 1, 1, 24).expand(2, 1, 24, 24)
+    d_out = torch.randn(q.shape, generator=g)
+
+    def run(fn):
+        ins = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = fn(*ins)
+        out.backward(d_out)
+        return [out.detach(), *(t.grad for t in ins)]
+
+    def attend(q, k, v):
+        return fp4_attention(q, k, v, keep, recipe=recipe, causal=causal)
+
+    eager = run(attend)
+    compiled = run(torch.compile(attend, fullgraph=True, backend="aot_eager"))
+    for name, a, b in zip(("out", "dq", "dk", "dv"), compiled, eager):
+        assert torch.equal(a, b), name
+    torch._dynamo.reset()
 
 
 def test_compiling_a_model_with_fp4_attention_after_a_linear_of_another_shape():

@@ -27,8 +27,9 @@ quantized in registers exactly as quantize_rows would quantize the kernel's own 
 from __future__ import annotations
 
 import functools
+import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -172,61 +173,141 @@ def _group_sum(t: torch.Tensor, groups: int) -> torch.Tensor:
     return t.view(t.shape[0], -1, groups, *t.shape[2:]).sum(2) if groups > 1 else t
 
 
-class FP4AttentionFunction(torch.autograd.Function):
-    """q [B, H, Tq, D], k / v [B, H / G, Tk, D] (G query heads per key head; K and V are quantized as they are,
-    not expanded), keep: bool [B or 1, H or 1, Tq, Tk] or None; causal: also key <= query.  Returns O
-    [B, H, Tq, D] in q's dtype."""
+def _tensor_core(dtype: torch.dtype, spec: QuantSpec | None) -> bool:
+    """Whether tensor_core_operand gives exact BF16 values for a tensor of `dtype` quantized with `spec`."""
+    return spec.scale is not ScaleRule.FP32 if spec is not None else dtype == torch.bfloat16
 
-    @staticmethod
-    def forward(ctx, q, k, v, keep, scale: float, recipe: AttentionRecipe, seed: int, backend: str = "reference",
-                causal: bool = False):
-        args = [(t, getattr(recipe, n), seed + i) for i, (t, n) in enumerate(((q, "q"), (k, "k"), (v, "v")))]
-        # the flash kernels take exact BF16 values and tensor decodes; their product is the reference's values
-        decodes = None
-        if backend == "triton":  # the flash kernel: P never materialised (hf_fp4.kernels.attention)
-            from ..kernels.attention import flash_forward
-            ops = [tensor_core_operand(*a, backend) for a in args]
-            if all(o is not None for o in ops):  # exact BF16 values: the tensor cores (saved as such)
-                decodes = torch.stack([o[1] for o in ops])
-                qh, kh, vh = (o[0] for o in ops)
-            else:  # FP32 values: the IEEE path
-                qh, kh, vh = (o[0].float() * o[1] if o is not None else quantize_rows(*a) for o, a in zip(ops, args))
-            out, lse = flash_forward(qh, kh, vh, keep, scale, decodes, causal=causal, return_lse=True,
-                                     out_dtype=q.dtype)  # rounded by the kernel's store, as .to(q.dtype)
-        else:
-            qh, kh, vh = (quantize_rows(*a) for a in args)
-            groups = q.shape[1] // k.shape[1]
-            p = _probabilities(qh, _expand(kh, groups), scale,
-                               _with_causal(keep, causal, q.shape[2], k.shape[2], q.device))
-            out, lse = (p.to(torch.bfloat16).float() @ _expand(vh, groups)).to(q.dtype), None
-        ctx.save_for_backward(qh, kh, vh, out, keep, decodes, lse)
-        ctx.scale, ctx.recipe, ctx.seed, ctx.dtypes = scale, recipe, seed, (q.dtype, k.dtype, v.dtype)
-        ctx.backend, ctx.causal = backend, causal
-        return out
 
-    @staticmethod
-    def backward(ctx, d_out):
-        qh, kh, vh, out, keep, decodes, lse = ctx.saved_tensors
-        q_dtype, k_dtype, v_dtype = ctx.dtypes
-        if ctx.backend == "triton":  # the flash backward: dS quantized in registers (hf_fp4.kernels.attention)
-            from ..kernels.attention import flash_backward
-            dq, dk, dv = flash_backward(qh, kh, vh, out, d_out, keep, ctx.scale, ctx.recipe.ds, ctx.seed + 3,
-                                        decodes, causal=ctx.causal, lse=lse)  # the forward's log-sum-exp
-            groups = qh.shape[1] // kh.shape[1]
-            dk, dv = _group_sum(dk, groups), _group_sum(dv, groups)
-            return dq.to(q_dtype), dk.to(k_dtype), dv.to(v_dtype), None, None, None, None, None, None
-        # recomputed from the saved quantized Q^, K^ (K^, V^ expanded to the query heads here only)
-        groups = qh.shape[1] // kh.shape[1]
-        kh, vh = _expand(kh, groups), _expand(vh, groups)
-        p = _probabilities(qh, kh, ctx.scale, _with_causal(keep, ctx.causal, qh.shape[2], kh.shape[2], qh.device))
-        d_out = d_out.float()
-        dv = _group_sum(p.to(torch.bfloat16).float().transpose(-1, -2) @ d_out, groups)
-        dp = d_out @ vh.transpose(-1, -2)
-        ds = p * (dp - (d_out * out.float()).sum(dim=-1, keepdim=True))
-        ds_keys, ds_queries = _ds_operands(ds, ctx.recipe.ds, ctx.seed + 3)
-        dq = (ds_keys @ kh) * ctx.scale
-        dk = _group_sum((ds_queries.transpose(-1, -2) @ qh) * ctx.scale, groups)
-        return dq.to(q_dtype), dk.to(k_dtype), dv.to(v_dtype), None, None, None, None, None, None
+def _uses_tensor_cores(q, k, v, recipe: AttentionRecipe, backend: str) -> bool:
+    """The flash kernels on exact BF16 values with tensor decodes (else: FP32 values, the IEEE path)."""
+    return backend == "triton" and all(_tensor_core(t.dtype, getattr(recipe, n)) for t, n in ((q, "q"), (k, "k"),
+                                                                                          (v, "v")))
+
+
+def _forward(q, k, v, keep, scale: float, recipe: AttentionRecipe, seed: int, backend: str, causal: bool):
+    """O [B, H, Tq, D] in q's dtype and what the backward reads: (Q^, K^, V^, decodes or None, lse or None)."""
+    args = [(t, getattr(recipe, n), seed + i) for i, (t, n) in enumerate(((q, "q"), (k, "k"), (v, "v")))]
+    # the flash kernels take exact BF16 values and tensor decodes; their product is the reference's values
+    decodes = lse = None
+    if backend == "triton":  # the flash kernel: P never materialised (hf_fp4.kernels.attention)
+        from ..kernels.attention import flash_forward
+        ops = [tensor_core_operand(*a, backend) for a in args]
+        if _uses_tensor_cores(q, k, v, recipe, backend):  # exact BF16 values: the tensor cores (saved as such)
+            decodes = torch.stack([o[1] for o in ops])
+            qh, kh, vh = (o[0] for o in ops)
+        else:  # FP32 values: the IEEE path
+            qh, kh, vh = (o[0].float() * o[1] if o is not None else quantize_rows(*a) for o, a in zip(ops, args))
+        out, lse = flash_forward(qh, kh, vh, keep, scale, decodes, causal=causal, return_lse=True,
+                                 out_dtype=q.dtype)  # rounded by the kernel's store, as .to(q.dtype)
+    else:
+        qh, kh, vh = (quantize_rows(*a) for a in args)
+        groups = q.shape[1] // k.shape[1]
+        p = _probabilities(qh, _expand(kh, groups), scale, _with_causal(keep, causal, q.shape[2], k.shape[2], q.device))
+        out = (p.to(torch.bfloat16).float() @ _expand(vh, groups)).to(q.dtype)
+    return out, (qh, kh, vh, decodes, lse)
+
+
+def _backward(d_out, qh, kh, vh, out, keep, decodes, lse, scale: float, recipe: AttentionRecipe, seed: int,
+              backend: str, causal: bool, dtypes) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    q_dtype, k_dtype, v_dtype = dtypes
+    groups = qh.shape[1] // kh.shape[1]
+    if backend == "triton":  # the flash backward: dS quantized in registers (hf_fp4.kernels.attention)
+        from ..kernels.attention import flash_backward
+        dq, dk, dv = flash_backward(qh, kh, vh, out, d_out, keep, scale, recipe.ds, seed + 3, decodes,
+                                    causal=causal, lse=lse)  # the forward's log-sum-exp
+        return dq.to(q_dtype), _group_sum(dk, groups).to(k_dtype), _group_sum(dv, groups).to(v_dtype)
+    # recomputed from the saved quantized Q^, K^ (K^, V^ expanded to the query heads here only)
+    kh, vh = _expand(kh, groups), _expand(vh, groups)
+    p = _probabilities(qh, kh, scale, _with_causal(keep, causal, qh.shape[2], kh.shape[2], qh.device))
+    d_out = d_out.float()
+    dv = _group_sum(p.to(torch.bfloat16).float().transpose(-1, -2) @ d_out, groups)
+    dp = d_out @ vh.transpose(-1, -2)
+    ds = p * (dp - (d_out * out.float()).sum(dim=-1, keepdim=True))
+    ds_keys, ds_queries = _ds_operands(ds, recipe.ds, seed + 3)
+    dq = (ds_keys @ kh) * scale
+    dk = _group_sum((ds_queries.transpose(-1, -2) @ qh) * scale, groups)
+    return dq.to(q_dtype), dk.to(k_dtype), dv.to(v_dtype)
+
+
+# FP4 attention as two custom ops with an autograd formula: torch.compile keeps each call in the graph as one opaque
+# op (no graph break: the reference's host-side checks and the kernels' launches run inside it), and on CUDA the
+# flash path has no host synchronisation, so a compiled block with FP4 attention can run under CUDA graphs.  The
+# recipe travels as its JSON (an op takes no dataclass); the saved Q^, K^, V^, decodes and log-sum-exp are
+# outputs of the forward op (empty tensors where a path has none).
+def recipe_key(recipe: AttentionRecipe) -> str:
+    return json.dumps(recipe.to_dict(), sort_keys=True)
+
+
+@torch.compiler.assume_constant_result
+def _preset_key(name: str) -> str:
+    """recipe_key of a preset name for all four tensors (computed eagerly under torch.compile, a constant)."""
+    return recipe_key(AttentionRecipe.build(name))
+
+
+@functools.lru_cache(maxsize=None)
+def _recipe_of(key: str) -> AttentionRecipe:
+    return AttentionRecipe.build(json.loads(key))
+
+
+def _own(t: torch.Tensor, *others: torch.Tensor) -> torch.Tensor:
+    """t, copied where it shares memory with one of `others` (a custom op's output may alias neither an input nor
+    another output)."""
+    ptr = t.untyped_storage().data_ptr()
+    return t.clone() if any(ptr == o.untyped_storage().data_ptr() for o in others) and t.numel() else t
+
+
+@torch.library.custom_op("hf_fp4::attention", mutates_args=())
+def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: Optional[torch.Tensor], scale: float,
+                  recipe: str, seed: int, backend: str, causal: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    out, (qh, kh, vh, decodes, lse) = _forward(q, k, v, keep, scale, _recipe_of(recipe), seed, backend, causal)
+    saved = []
+    for t in (qh, kh, vh):  # (K^ and V^ are one tensor where both are K itself, unquantized)
+        saved.append(_own(t, q, k, v, *saved))
+    return (out, *saved, q.new_empty(0, dtype=torch.float32) if decodes is None else decodes,
+            q.new_empty(0, dtype=torch.float32) if lse is None else lse)
+
+
+@_attention_op.register_fake
+def _(q, k, v, keep, scale, recipe, seed, backend, causal):
+    tc = _uses_tensor_cores(q, k, v, _recipe_of(recipe), backend)
+    saved = torch.bfloat16 if tc else torch.float32
+    lse = q.new_empty(q.shape[:3], dtype=torch.float32) if backend == "triton" else q.new_empty(0, dtype=torch.float32)
+    return (q.new_empty(q.shape), q.new_empty(q.shape, dtype=saved), k.new_empty(k.shape, dtype=saved),
+            v.new_empty(v.shape, dtype=saved), q.new_empty(3 if tc else 0, dtype=torch.float32), lse)
+
+
+@torch.library.custom_op("hf_fp4::attention_backward", mutates_args=())
+def _attention_backward_op(d_out: torch.Tensor, qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor,
+                           out: torch.Tensor, keep: Optional[torch.Tensor], decodes: torch.Tensor, lse: torch.Tensor,
+                           scale: float, recipe: str, seed: int, backend: str, causal: bool, q_dtype: torch.dtype,
+                           k_dtype: torch.dtype, v_dtype: torch.dtype
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _backward(d_out.contiguous(), qh, kh, vh, out, keep, decodes if decodes.numel() else None,
+                     lse if lse.numel() else None, scale, _recipe_of(recipe), seed, backend, causal,
+                     (q_dtype, k_dtype, v_dtype))
+
+
+@_attention_backward_op.register_fake
+def _(d_out, qh, kh, vh, out, keep, decodes, lse, scale, recipe, seed, backend, causal, q_dtype, k_dtype, v_dtype):
+    return (qh.new_empty(qh.shape, dtype=q_dtype), kh.new_empty(kh.shape, dtype=k_dtype),
+            vh.new_empty(vh.shape, dtype=v_dtype))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, keep, scale, recipe, seed, backend, causal = inputs
+    out, qh, kh, vh, decodes, lse = output
+    ctx.save_for_backward(qh, kh, vh, out, keep, decodes, lse)
+    ctx.args = (scale, recipe, seed, backend, causal, q.dtype, k.dtype, v.dtype)
+
+
+def _attention_grad(ctx, d_out, *unused):
+    qh, kh, vh, out, keep, decodes, lse = ctx.saved_tensors
+    dq, dk, dv = _attention_backward_op(d_out, qh, kh, vh, out, keep, decodes, lse, *ctx.args)
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+_attention_op.register_autograd(_attention_grad, setup_context=_setup_context)
 
 
 def _with_causal(keep, causal: bool, q_len: int, kv_len: int, device):
@@ -256,13 +337,11 @@ def fp4_attention(q, k, v, keep=None, scale: float | None = None, recipe: "Atten
     if v.shape[1] != k.shape[1]:
         raise ValueError(f"fp4_attention: k has {k.shape[1]} heads, v {v.shape[1]}")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return FP4AttentionFunction.apply(q, k, v, keep, float(scale), AttentionRecipe.build(recipe), int(seed), backend,
-                                      bool(causal))
-
-
-# The reference runs eagerly inside a compiled block (one graph break per attention call): traced, its
-# quantizers' non-finite checks would break the graph several times over.
-_fp4_attention_outside_compile = torch.compiler.disable(fp4_attention)
+    if isinstance(recipe, str):  # a preset name or recipe_key's JSON: no recipe built under torch.compile
+        key = recipe if recipe.startswith("{") else _preset_key(recipe)
+    else:
+        key = recipe_key(AttentionRecipe.build(recipe))
+    return _attention_op(q, k, v, keep, float(scale), key, int(seed), backend, bool(causal))[0]
 
 
 def _keep_mask(attention_mask, kv_len: int) -> torch.Tensor | None:
@@ -286,20 +365,48 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         raise ValueError(f"attn_implementation='hf_fp4' has no attention dropout (got {dropout}); set the "
                          "model's attention_dropout to 0")
     config = getattr(module, "config", None)
-    recipe = AttentionRecipe.build(getattr(config, "hf_fp4_attention", None) or "nvfp4")
+    recipe, key_json = module_recipe(module, config)
     q_len, kv_len = query.shape[2], key.shape[2]
     causal = q_len > 1 and attention_mask is None and (
         is_causal if is_causal is not None else getattr(module, "is_causal", True))
     if causal and kv_len > q_len:  # as Transformers' SDPA path: causal without a mask aligns to the start
         key, value, kv_len = key[:, :, :q_len], value[:, :, :q_len], q_len
-    seed = 0
-    if recipe.stochastic:  # a fresh Philox stream per call
-        seed = getattr(module, "_hf_fp4_attention_calls", 0)
-        module._hf_fp4_attention_calls = seed + 4
     keep = _keep_mask(attention_mask, kv_len)
     backend = getattr(config, "hf_fp4_attention_backend", "auto")
-    out = _fp4_attention_outside_compile(query, key, value, keep, scaling, recipe, seed, backend, causal)
+    if recipe.stochastic:  # a fresh Philox stream per call, from a host counter: outside a compiled graph
+        out = _stochastic_attention(module, query, key, value, keep, scaling, key_json, backend, causal)
+    else:
+        out = fp4_attention(query, key, value, keep, scaling, key_json, 0, backend, causal)
     return out.transpose(1, 2).contiguous(), None
+
+
+def module_recipe(module: torch.nn.Module, config) -> tuple[AttentionRecipe, str]:
+    """The attention recipe of `module` (config.hf_fp4_attention, else NVFP4 for all four tensors) and its JSON,
+    built once per config value and kept on the module: torch.compile then reads two attributes instead of
+    tracing the recipe's construction (which breaks its graph)."""
+    value = getattr(config, "hf_fp4_attention", None) or "nvfp4"
+    cached = getattr(module, "_hf_fp4_attention_recipe", None)
+    if cached is None or cached[0] is not value:
+        cached = _cache_recipe(module, value)
+    return cached[1], cached[2]
+
+
+@torch.compiler.disable
+def _cache_recipe(module: torch.nn.Module, value) -> tuple:
+    """Built outside a compiled graph: the first compiled call breaks its graph here once, and recompiles with the
+    module's cached recipe from then on."""
+    recipe = AttentionRecipe.build(value)
+    module._hf_fp4_attention_recipe = (value, recipe, recipe_key(recipe))
+    return module._hf_fp4_attention_recipe
+
+
+@torch.compiler.disable
+def _stochastic_attention(module, query, key, value, keep, scaling, key_json, backend, causal):
+    """fp4_attention with the module's call counter as the seed (a host int that changes every call: traced, each
+    call would recompile)."""
+    seed = getattr(module, "_hf_fp4_attention_calls", 0)
+    module._hf_fp4_attention_calls = seed + 4
+    return fp4_attention(query, key, value, keep, scaling, key_json, seed, backend, causal)
 
 
 def register() -> None:
@@ -324,5 +431,5 @@ def enable(model: torch.nn.Module, recipe: "AttentionRecipe | str | dict") -> No
         model.config._attn_implementation = IMPLEMENTATION
 
 
-__all__ = ["AttentionRecipe", "FP4AttentionFunction", "fp4_attention", "attention_forward", "register", "enable",
+__all__ = ["AttentionRecipe", "fp4_attention", "attention_forward", "register", "enable",
            "quantize_rows"]
