@@ -201,7 +201,7 @@ def test_the_flash_backward_quantizes_its_ds_as_the_spec_and_makes_the_spec_grad
     so every quantized dS element in registers is the spec's, bit for bit -- and dV = bf16(P)^T dO within the
     BF16 rounding of P.  Causal + padding + a query that sees nothing, ragged T over several tiles.  tensor_cores:
     Q^, K^, V^ as exact BF16 values with NVFP4 tensor decodes and a BF16 dO, the kernels' tensor-core path, with
-    the log-sum-exp the forward kernel returns (as FP4AttentionFunction runs it; otherwise phase 0's)."""
+    the log-sum-exp the forward kernel returns (as fp4_attention runs it; otherwise phase 0's)."""
     from hf_fp4.nn.attention import _ds_operands, tensor_core_operand
     from hf_fp4.kernels.attention import flash_backward, flash_forward
 
