@@ -453,11 +453,17 @@ def test_grouped_path_is_taken_only_where_it_is_bit_identical():
 
 
 @pytest.mark.parametrize("dev", GROUPED_DEVICES)
-@pytest.mark.parametrize("recipe", ["mxfp4", "nvfp4"])
-def test_grouped_experts_compile_with_fullgraph_and_equal_eager(recipe, dev):
+@pytest.mark.parametrize("recipe", ["mxfp4", "nvfp4", "mxfp4+routing_kernels"])
+def test_grouped_experts_compile_with_fullgraph_and_equal_eager(recipe, dev, monkeypatch):
     """The grouped path has no host read of the routing: torch.compile(fullgraph=True) traces the experts
     forward and backward (aot_eager on the CPU) -- torch's grouped GEMMs (mxfp4) or hf_fp4's with per-expert scales
-    (nvfp4, SR) -- bit-equal to eager over the same step."""
+    (nvfp4, SR) -- bit-equal to eager over the same step.  "+routing_kernels": the routing passes' Triton kernels
+    on the CPU too (interpreted; on CUDA they always run) -- their custom ops' fake forms and zero_tail_'s
+    in-place write traced."""
+    from hf_fp4.nn import grouping
+
+    recipe, _, kernels = recipe.partition("+")
+    monkeypatch.setattr(grouping, "KERNELS_ON_CPU", bool(kernels))
     model = moe_model("mixtral", recipe).to(device=dev, dtype=torch.bfloat16)
     module = next(iter(experts_modules(model).values()))
     module.hf_fp4.backend = "triton"
