@@ -173,6 +173,56 @@ class EmulatedLinear(nn.Linear):
         return y.reshape(*shape[:-1], -1)
 
 
+class EmulatedGroupedNVFP4(torch.autograd.Function):
+    """The experts' GEMMs of the emulation: x [R, K] (rows sorted by expert, segments ending at offs [E]) times
+    every expert's w [E, N, K]; each operand NVFP4 fake-quantized as one tensor, blocks along its GEMM's
+    contraction (the tokens for wgrad, across experts' segments), torch._grouped_mm in BF16."""
+
+    @staticmethod
+    def forward(ctx, x, w, offs):
+        ctx.save_for_backward(x, w, offs)
+        e, n, k = w.shape
+        return torch._grouped_mm(fake_nvfp4(x), fake_nvfp4(w.reshape(e * n, k)).view(e, n, k).transpose(1, 2),
+                                 offs=offs)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w, offs = ctx.saved_tensors
+        e, n, k = w.shape
+        wt = w.transpose(1, 2).contiguous()
+        dx = torch._grouped_mm(fake_nvfp4(dy), fake_nvfp4(wt.reshape(e * k, n)).view(e, k, n).transpose(1, 2),
+                               offs=offs)
+        dw = torch._grouped_mm(fake_nvfp4(dy.t().contiguous()), fake_nvfp4(x.t().contiguous()).t(), offs=offs)
+        return dx, dw, None
+
+
+class EmulatedExperts(nn.Module):
+    """The MoE part's emulation peer: Transformers' Qwen3-MoE experts written plainly over their 3D weights --
+    tokens sorted by expert, the two projections through EmulatedGroupedNVFP4, SiLU gate, routing weights and a
+    scatter-add -- as a user would, under torch.compile."""
+
+    def __init__(self, experts: nn.Module):
+        super().__init__()
+        self.experts = experts
+
+    def forward(self, hidden, top_k_index, top_k_weights):
+        m, dev, dtype = self.experts, hidden.device.type, torch.bfloat16  # BF16 GEMMs, as the FP4 rows'
+        e, k = m.gate_up_proj.shape[0], top_k_index.shape[1]
+        with torch.autocast(dev, enabled=False):
+            flat = top_k_index.reshape(-1)
+            order = torch.argsort(flat, stable=True)
+            counts = torch.zeros(e, dtype=torch.int32, device=flat.device).scatter_add_(
+                0, flat, torch.ones_like(flat, dtype=torch.int32))
+            offs = counts.cumsum(0, dtype=torch.int32)
+            token = order // k
+            h = EmulatedGroupedNVFP4.apply(hidden.to(dtype)[token], m.gate_up_proj.to(dtype), offs)
+            gate, up = h.chunk(2, dim=-1)
+            y = EmulatedGroupedNVFP4.apply(nn.functional.silu(gate) * up, m.down_proj.to(dtype), offs)
+            y = y.float() * top_k_weights.reshape(-1)[order, None].float()
+            out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device).index_add_(0, token, y)
+        return out.to(hidden.dtype)
+
+
 def swap_to_emulation(model: nn.Module) -> nn.Module:
     from hf_fp4.nn.swap import swap_linear_layers
 
@@ -588,15 +638,18 @@ def moe_steps(dev, quick, names):
         holder.experts = Qwen3MoeExperts(cfg).to(dev, torch.bfloat16 if dev == "cuda" else torch.float32)
         nn.init.normal_(holder.experts.gate_up_proj, std=0.02)
         nn.init.normal_(holder.experts.down_proj, std=0.02)
+        module = holder.experts
         if name.startswith("hf_fp4:"):
             convert_model(holder, preset(name.split(":")[1].split("+")[0]))
             holder.experts.hf_fp4.grouped = not name.endswith(":loop")
             holder.experts.hf_fp4.fp8_gemms = "+fp8gemm" in name
+        elif name == "emulation_compiled":
+            module = torch.compile(EmulatedExperts(holder.experts))
         else:
             cfg._experts_implementation = name.split(":")[1]
         xx = x.clone().requires_grad_()
 
-        def step(module=holder.experts, xx=xx):
+        def step(module=module, xx=xx):
             with torch.autocast(dev, dtype=torch.bfloat16, enabled=dev == "cuda"):
                 out = module(xx, index, weights.to(xx.dtype))
             out.float().square().mean().backward()
@@ -604,15 +657,16 @@ def moe_steps(dev, quick, names):
 
 
 def moe_names(impls: str | None, loop: bool = True) -> list[str]:
-    """The hf_fp4 rows of the MoE part: the presets --impls lists (all by default), each as hf_fp4:<preset> and, where
-    listed, hf_fp4:<preset>+fp8gemm / +bf16gemm (the experts' GEMM form); then the first preset's per-expert loop
-    (hf_fp4:<preset>:loop) unless loop is False (--no-moe-loop)."""
+    """The MoE part's rows after Transformers' bf16 ones: the compiled NVFP4 emulation (EmulatedExperts) and the
+    presets --impls lists (all by default), each as hf_fp4:<preset> and, where listed, hf_fp4:<preset>+fp8gemm /
+    +bf16gemm (the experts' GEMM form); then the first preset's per-expert loop (hf_fp4:<preset>:loop) unless loop
+    is False (--no-moe-loop)."""
     listed = None if impls is None else impls.split(",")
-    names = []
+    names = ["emulation_compiled"] if listed is None or "emulation_compiled" in listed else []
     for p in FP4_PRESETS:
         names += [f"hf_fp4:{p}{v}" for v in ("", "+fp8gemm", "+bf16gemm")
                   if (listed is None and not v) or (listed is not None and f"hf_fp4:{p}{v}" in listed)]
-    first = next((n for n in names if "+" not in n), None)
+    first = next((n for n in names if n.startswith("hf_fp4:") and "+" not in n), None)
     return names + ([f"{first}:loop"] if loop and first else [])
 
 

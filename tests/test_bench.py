@@ -22,7 +22,8 @@ def test_bench_quick_parts_write_every_row(tmp_path):
     attention = {"sdpa", "hf_fp4:nvfp4:reference"} | ({"hf_fp4:nvfp4:triton"} if torch.cuda.is_available() else set())
     assert {r["impl"] for r in results["attention"]} == attention  # (no Triton on a CPU without its interpreter)
     # the listed presets and GEMM forms, the first preset's loop beside them
-    moe = {"bf16:grouped_mm", "bf16:eager", "hf_fp4:nvfp4", "hf_fp4:mxfp4+bf16gemm", "hf_fp4:nvfp4:loop"}
+    moe = {"bf16:grouped_mm", "bf16:eager", "emulation_compiled", "hf_fp4:nvfp4", "hf_fp4:mxfp4+bf16gemm",
+           "hf_fp4:nvfp4:loop"}
     assert {r["impl"] for r in results["moe"]} == moe
     assert {r["impl"] for r in results["sharq"]} == {"bf16", "hf_fp4:nvfp4", "hf_fp4:nvfp4+sharq"}
     assert all(r["ms"] > 0 for part in ("linear", "attention", "moe", "sharq") for r in results[part])
