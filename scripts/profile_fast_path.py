@@ -502,8 +502,9 @@ def correction_tiles(dev: str, k: int = 4096, n: int = 4096, tokens: int = 8192)
 
 def moe_tiles(dev: str, presets: list[str]) -> None:
     """bench.py's MoE layer (one fwd + bwd captured in a CUDA graph: GPU time alone) per tile of the grouped GEMMs
-    -- TILE for the BF16 kernels (NVFP4 / UFP4), FP8_TILE for the FP8 ones (the MX family) -- against Transformers'
-    bf16 grouped_mm in the same run."""
+    -- TILE for the BF16 kernels (NVFP4 / UFP4), FP8_TILE for the FP8 ones (the MX family with +fp8gemm, e.g.
+    "mxfp4+fp8gemm": its experts' default BF16 GEMMs are torch._grouped_mm's, which have no tile) -- against
+    Transformers' bf16 grouped_mm in the same run."""
     import sys
     from pathlib import Path
 
@@ -520,7 +521,10 @@ def moe_tiles(dev: str, presets: list[str]) -> None:
              (128, 256, 128, 8, 3)]
     default = (grouped_gemm.TILE, grouped_gemm.FP8_TILE)
     for name in presets:
-        attr = "FP8_TILE" if name.startswith("mx") or name == "tib" else "TILE"
+        if name.split("+")[0] in ("mxfp4", "mxfp4_dh", "tib") and "+fp8gemm" not in name:
+            print(f"| {name} | its grouped GEMMs are torch._grouped_mm's (no tile): name {name}+fp8gemm |")
+            continue
+        attr = "FP8_TILE" if "+fp8gemm" in name else "TILE"
         for tile in tiles:
             setattr(grouped_gemm, attr, tile)
             try:
