@@ -179,8 +179,10 @@ def exact_copies(a, b, a_layout: tuple, b_layout: tuple, programs: int | None = 
 
 #: The flagged tiles' BF16 GEMM (step 2b): (BM, BN, BK, warps, stages).  On spread inputs (every wgrad tile
 #: flagged) it ran at roughly a third of cuBLAS's BF16 speed on the H100 (benchmarks/results-2026-12-06-session21.md);
-#: `scripts/profile_fast_path.py --correction-tiles` times others (set this module attribute to change it).
-CORRECTION_TILE = (128, 128, 64, 8, 3)
+#: `scripts/profile_fast_path.py --correction-tiles` (H100, 2026-12-06: mxfp4's 4096^2 step on spread inputs 1.744 ms
+#: with 128 x 256 x 64, 1.917 ms with 128 x 128 x 64; benchmarks/gpu/profile-correctiontiles-2026-12-06-session22-
+#: before.txt).  Set this module attribute to change it.
+CORRECTION_TILE = (128, 256, 64, 8, 3)
 
 
 def correct_lost_tiles(out: torch.Tensor, a, b, a_blc: int, a_shift: int, b_blc: int, b_shift: int,
