@@ -14,10 +14,11 @@ expert's rows) quantizes that expert's tensor: its own tensor amax (NVFP4 / UFP4
 stream (the expert's seeds, coordinates from the segment's first row, the segment's padded length) -- so the
 operands are the loop's bit for bit (tests/test_experts.py, tests/test_kernels.py); the FP8 form's reference
 exponents of the transposed orientations are per (row, expert) as well.  GEMMs, in the loop's form per GEMM:
-FP8 (the MX family with fp8_gemms, the default) on hf_fp4.kernels.grouped_gemm's FP8 kernels -- FP32 promotion
-after every MMA step, the two row scales, a tile touching a lost block recomputed exactly in place; the two-level
-formats on its BF16 kernels, which apply each expert's pair of FP32 tensor scales to the FP32 accumulator before
-the one rounding to BF16, as the loop's GEMM does; the MX family in BF16 on torch._grouped_mm.  Outputs equal
+the MX family in BF16 on torch._grouped_mm (the experts' default, ExpertsFP4.fp8_gemms False), or with
+fp8_gemms on hf_fp4.kernels.grouped_gemm's FP8 kernels -- FP32 promotion after every MMA step, the two row
+scales, a tile touching a lost block recomputed exactly in place; the two-level formats on its BF16 kernels, which
+apply each expert's pair of FP32 tensor scales to the FP32 accumulator before the one rounding to BF16, as the
+loop's GEMM does.  Outputs equal
 the loop's within FP32 accumulation error.  `grouped_reason` names what keeps a layer on the loop (biases,
 mean-bias removal, FP32 activations, dims off the alignment).
 """
