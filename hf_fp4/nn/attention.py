@@ -22,7 +22,9 @@ Philox seeds from a per-module call counter.  The Triton flash kernels (`backend
 `config.hf_fp4_attention_backend`, "auto" by default: the kernels on CUDA, the reference elsewhere;
 hf_fp4.kernels.attention) compute the same without
 materialising S, P or dS: within the BF16 rounding of P and FP32 arithmetic of this reference, with dS
-quantized in registers exactly as quantize_rows would quantize the kernel's own dS.
+quantized in registers exactly as quantize_rows would quantize the kernel's own dS.  Either backend runs inside
+one pair of opaque custom ops (`hf_fp4::attention`, `hf_fp4::attention_backward`), so torch.compile keeps a call in
+its graph (no graph break) and CUDA graphs capture the flash path of a round-to-nearest recipe.
 """
 from __future__ import annotations
 
