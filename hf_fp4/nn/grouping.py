@@ -79,10 +79,10 @@ class GroupLayout:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The routing passes (and zero_tail_): the torch forms below are the spec (and the CPU path); on CUDA the Triton kernels of
-# hf_fp4.kernels.routing compute the same (bit for bit; pair_dot within FP32 accumulation error), as custom ops
-# registered as the operand kernels are (operands.custom_call): a triton_op that torch.compile traces into, an
-# opaque op otherwise.
+# The routing passes (and zero_tail_): the torch forms below are the spec (and the CPU path); on CUDA the Triton
+# kernels of hf_fp4.kernels.routing compute the same (bit for bit; pair_dot within FP32 accumulation error), as
+# custom ops registered as the operand kernels are (operands.custom_call): a triton_op that torch.compile traces
+# into, an opaque op otherwise.
 
 #: run the Triton kernels on the CPU too (Triton's interpreter): the tests' switch; on CUDA they always run
 KERNELS_ON_CPU = False

@@ -202,9 +202,9 @@ def _launch_rows(out, a_args, b_args, steps, ends, n, k, fp8, scaled):
     bm, bn, bk, warps, stages = FP8_TILE if fp8 else TILE
     dev = out.device
     launcher(_grouped_rows_kernel)[(default_programs(out),)](
-        *a_args, *b_args, *steps, out, out.stride(0), ends, out.shape[0], ends.shape[0], n, k, BM=bm, BN=bn, BK=bk, FP8=fp8,
-        SCALED=scaled, OUT_BF16=out.dtype == torch.bfloat16, INTERPRETED=dev.type != "cuda", num_warps=warps,
-        num_stages=stages)
+        *a_args, *b_args, *steps, out, out.stride(0), ends, out.shape[0], ends.shape[0], n, k, BM=bm, BN=bn, BK=bk,
+        FP8=fp8, SCALED=scaled, OUT_BF16=out.dtype == torch.bfloat16, INTERPRETED=dev.type != "cuda",
+        num_warps=warps, num_stages=stages)
 
 
 def _launch_contraction(out, a_args, b_args, scale_steps, ends, fp8, scaled):
