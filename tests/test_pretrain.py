@@ -615,6 +615,32 @@ def test_a_moe_model_trains_and_resumes_exactly(corpus_files, tmp_path):
     assert len(whole) == 6 and whole == [r["loss"] for r in records(tmp_path / "split") if "loss" in r]
 
 
+@pytest.mark.parametrize("fp8_gemms,linears,experts", [("auto", "fp8", "bf16"), (True, "fp8", "fp8"),
+                                                        (False, "bf16", "bf16")])
+def test_fp8_gemms_picks_the_mx_family_gemm_form_of_linears_and_experts(corpus_files, tmp_path, monkeypatch,
+                                                                        fp8_gemms, linears, experts):
+    """The training config's fp8_gemms: auto (the default) keeps each module's default -- the FP4 linears' MX GEMMs
+    on the FP8 tensor cores, the MoE experts' in BF16 (torch._grouped_mm, measured faster) --, true / false set
+    both.  Read from the model the trainer trains."""
+    from hf_fp4.nn.experts import experts_states
+
+    moe = {"model_type": "qwen3_moe", "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
+           "num_experts": 4, "num_experts_per_tok": 2, "decoder_sparse_step": 1, "num_hidden_layers": 1,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 64}
+    seen = {}
+    real = trainer.compute_loss
+
+    def spy(model, tokens):
+        seen["linears"] = {m._plans["triton"].forms for m in hf_fp4.fp4_modules(model).values()}
+        seen["experts"] = {s.plans["triton"].forms for s in experts_states(model).values()}
+        return real(model, tokens)
+
+    monkeypatch.setattr(trainer, "compute_loss", spy)
+    trainer.train(TrainConfig.from_dict(tiny_cfg(corpus_files, tmp_path / "run", model=moe, recipe="mxfp4",
+                                                 max_steps=1, eval_every=100, fp8_gemms=fp8_gemms)))
+    assert seen["linears"] == {(linears,) * 3} and seen["experts"] == {(experts,) * 3}
+
+
 def test_the_trainer_compiles_its_model_itself_whatever_accelerate_is_configured_with(corpus_files, tmp_path,
                                                                                       monkeypatch, capsys):
     """An `accelerate config` dynamo backend (ACCELERATE_DYNAMO_BACKEND) would make Accelerate compile the whole model

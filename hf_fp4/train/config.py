@@ -56,7 +56,8 @@ class TrainConfig:
     compile: Any = "auto"                         # torch.compile each decoder block: auto (on GPU) | true | false
     compile_mode: str = "auto"                    # auto (CUDA graphs on GPU) | default | reduce-overhead | max-autotune...
     compile_backend: str = "inductor"             # inductor | aot_eager (debugging: same numerics as eager)
-    fp8_gemms: bool = True                        # MX-family GEMMs on the FP8 tensor cores; false: BF16, FP32 accum.
+    fp8_gemms: Any = "auto"                       # MX-family GEMMs: auto (FP8 linears, BF16 MoE experts) | true
+    #                                               (all on the FP8 tensor cores) | false (all BF16, FP32 accum.)
     fp4_all_gather: bool = False                  # FSDP2: all-gather FP4 layers' weights as FP4 codes + scales
     # bookkeeping
     output_dir: str = "runs/default"
@@ -73,7 +74,7 @@ class TrainConfig:
 
     def validate(self) -> None:
         choices = {"schedule": ("cosine", "wsd", "constant"), "mixed_precision": ("auto", "bf16", "no"),
-                   "compile": ("auto", True, False), "fp8_gemms": (True, False), "fp4_all_gather": (True, False),
+                   "compile": ("auto", True, False), "fp8_gemms": ("auto", True, False), "fp4_all_gather": (True, False),
                    "compile_mode": MODES, "compile_backend": COMPILE_BACKENDS}
         for key, valid in choices.items():
             if getattr(self, key) not in valid:

@@ -349,7 +349,8 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> di
         data = prepare_data(cfg.dataset, cfg.tokenizer, cfg.vocab_size, cfg.val_fraction)
     set_seed(cfg.seed)
     model = build_model(cfg, data.vocab_size)
-    set_fp8_gemms(model, cfg.fp8_gemms)
+    if cfg.fp8_gemms != "auto":  # auto keeps each module's default (FP8 for FP4 linears, BF16 for MoE experts)
+        set_fp8_gemms(model, cfg.fp8_gemms)
     if cfg.fp4_all_gather:
         enable_fp4_gather(accelerator, model)
     compiled = cfg.compile is True or (cfg.compile == "auto" and torch.cuda.is_available())
