@@ -48,7 +48,7 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   # The kernel tests are dominated by Triton compiles (CPU): JOBS shards of the test ids run side by side.
   files=${TESTS:-tests/test_kernels.py tests/test_linear.py tests/test_formats.py tests/test_quantize.py \
     tests/test_hadamard.py tests/test_sharq.py tests/test_attention.py tests/test_experts.py tests/test_optim.py \
-    tests/test_scale_boundaries.py tests/test_fp4_gather.py}
+    tests/test_scale_boundaries.py tests/test_fp4_gather.py tests/test_grouping.py}
   logs=$(mktemp -d)  # the shards' files stay here: the device returns 8 files at most
   python3 -P -m pytest -q -p no:cacheprovider --collect-only $files 2>/dev/null | grep "::" > "$logs/test_ids.txt"
   for i in $(seq 0 $((jobs - 1))); do
