@@ -74,7 +74,8 @@ class TrainConfig:
 
     def validate(self) -> None:
         choices = {"schedule": ("cosine", "wsd", "constant"), "mixed_precision": ("auto", "bf16", "no"),
-                   "compile": ("auto", True, False), "fp8_gemms": ("auto", True, False), "fp4_all_gather": (True, False),
+                   "compile": ("auto", True, False), "fp8_gemms": ("auto", True, False),
+                   "fp4_all_gather": (True, False),
                    "compile_mode": MODES, "compile_backend": COMPILE_BACKENDS}
         for key, valid in choices.items():
             if getattr(self, key) not in valid:
