@@ -117,6 +117,11 @@ def _no_seeds(device: torch.device) -> torch.Tensor:
     return torch.zeros(2, dtype=torch.int64, device=device)
 
 
+def _tensor_core(dtype: torch.dtype, spec: QuantSpec | None) -> bool:
+    """Whether tensor_core_operand gives exact BF16 values for a tensor of `dtype` quantized with `spec`."""
+    return spec.scale is not ScaleRule.FP32 if spec is not None else dtype == torch.bfloat16
+
+
 def tensor_core_operand(x: torch.Tensor, spec: QuantSpec | None, seed: int, backend: str = "reference"
                         ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(values in BF16, FP32 tensor decode scale) with values * decode == quantize_rows(x, spec, seed) bit for
@@ -125,11 +130,10 @@ def tensor_core_operand(x: torch.Tensor, spec: QuantSpec | None, seed: int, back
     kernels (hf_fp4.kernels.operand, the BF16 form: bit-exact with the reference), which write the BF16 values
     straight from x in two launches, without a host synchronisation (a NaN / Inf makes its block NaN, as in the
     linear layers, instead of raising)."""
-    one = torch.ones((), dtype=torch.float32, device=x.device)
-    if spec is None:
-        return (x, one) if x.dtype == torch.bfloat16 else None
-    if spec.scale is ScaleRule.FP32:
+    if not _tensor_core(x.dtype, spec):
         return None
+    if spec is None:
+        return x, torch.ones((), dtype=torch.float32, device=x.device)
     rows, pad = x.shape[-2], -x.shape[-2] % spec.block[0]
     if backend == "triton":  # x read in its own dtype (the reference's x.float() is exact)
         from ..kernels.operand import triton_operands
@@ -174,11 +178,6 @@ def _expand(t: torch.Tensor, groups: int) -> torch.Tensor:
 def _group_sum(t: torch.Tensor, groups: int) -> torch.Tensor:
     """[B, H, T, D] per query head -> [B, H / G, T, D]: a key head's gradient sums its query heads'."""
     return t.view(t.shape[0], -1, groups, *t.shape[2:]).sum(2) if groups > 1 else t
-
-
-def _tensor_core(dtype: torch.dtype, spec: QuantSpec | None) -> bool:
-    """Whether tensor_core_operand gives exact BF16 values for a tensor of `dtype` quantized with `spec`."""
-    return spec.scale is not ScaleRule.FP32 if spec is not None else dtype == torch.bfloat16
 
 
 def _uses_tensor_cores(q, k, v, recipe: AttentionRecipe, backend: str) -> bool:

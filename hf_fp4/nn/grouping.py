@@ -75,7 +75,7 @@ class GroupLayout:
         reduced over the slots in order in FP32; a slot routed nowhere adds 0.  Not differentiable (combine and
         gather's backward are)."""
         w = None if weights is None else weights.reshape(-1)
-        return _routing_call("token_sum", y, y.contiguous(), self.pos, self.top_k, w)
+        return _routing_call("token_sum", y.contiguous(), self.pos, self.top_k, w)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -164,6 +164,8 @@ _ROUTING_OPS = {
                           lambda g, y, pos, k: y.new_empty(pos.shape[0], dtype=torch.float32)),
     "zero_tail_": _register("zero_tail_", _zero_tail_impl, lambda out, ends: None, mutates=("out",)),
 }
+
+
 def zero_tail_reference_(out: torch.Tensor, ends: torch.Tensor) -> None:
     """out[ends[-1]:] = 0 in place, on the device (no host read)."""
     past = torch.arange(out.shape[0], device=out.device) >= ends[-1]
@@ -177,13 +179,14 @@ _REFERENCES = {"gather_rows": gather_rows_reference, "token_sum": token_sum_refe
 def zero_tail_(out: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     """out [R, N] with its rows past the last segment (ends [E], int32) set to zero in place: what
     torch._grouped_mm leaves unwritten, without a select over all of out.  Returns out."""
-    _routing_call("zero_tail_", out, out, ends)
+    _routing_call("zero_tail_", out, ends)
     return out
 
 
-def _routing_call(name: str, t: torch.Tensor, *args):
-    """One routing pass on t's device: the kernels on CUDA (or on the CPU when KERNELS_ON_CPU), else the torch
-    reference."""
+def _routing_call(name: str, *args):
+    """One routing pass on its first argument's device: the kernels on CUDA (or on the CPU when KERNELS_ON_CPU),
+    else the torch reference."""
+    t = args[0]
     if not (t.is_cuda or KERNELS_ON_CPU):
         return _REFERENCES[name](*args)
     from .operands import custom_call
@@ -198,7 +201,7 @@ class _Gather(torch.autograd.Function):
     def forward(ctx, x, layout):
         ctx.layout = layout
         x = x.contiguous()
-        return _routing_call("gather_rows", x, x, layout.rows, layout.top_k, None, x.dtype)
+        return _routing_call("gather_rows", x, layout.rows, layout.top_k, None, x.dtype)
 
     @staticmethod
     def backward(ctx, grad):
@@ -223,10 +226,10 @@ class _Combine(torch.autograd.Function):
         grad = grad.float().contiguous()
         dy = dw = None
         if ctx.needs_input_grad[0]:
-            dy = _routing_call("gather_rows", grad, grad, layout.rows, k, weights.reshape(-1), y.dtype)
+            dy = _routing_call("gather_rows", grad, layout.rows, k, weights.reshape(-1), y.dtype)
         if ctx.needs_input_grad[1]:
             y = y.contiguous()
-            dw = _routing_call("pair_dot", y, grad, y, layout.pos, k).view_as(weights).to(weights.dtype)
+            dw = _routing_call("pair_dot", grad, y, layout.pos, k).view_as(weights).to(weights.dtype)
         return dy, dw, None
 
 
