@@ -679,7 +679,7 @@ def bench_moe(dev, quick, results, fp4_names):
     # (~0.3 s a step on the H200 and its kernels' compiles: session 20's part, three presets each with its loop,
     # ran past 80 s without a row)
     names = ["bf16:grouped_mm", "bf16:eager"] + fp4_names
-    rows, base, base_captured, shape = [], None, None, None
+    runs, failed = [], []
     for name, step, shape in moe_steps(dev, quick, names):
         try:
             ms = timed(step, [()], warmup=2, reps=5)
@@ -688,17 +688,25 @@ def bench_moe(dev, quick, results, fp4_names):
             loop = name == "bf16:eager" or name.endswith(":loop")
             captured = None if loop else captured_ms(step, ())
         except Exception as err:  # noqa: BLE001  (an implementation this torch / device lacks)
-            rows.append([name, f"failed: {type(err).__name__}: {str(err)[:80]}", "", "", ""])
+            failed.append([name, f"failed: {type(err).__name__}: {str(err)[:80]}", "", "", ""])
             continue
-        base, base_captured = base or ms, base_captured or captured
-        results.setdefault("moe", []).append({"shape": shape, "impl": name, "ms": round(ms, 4),
-                                              "ms_captured": None if captured is None else round(captured, 4)})
-        rows.append([name, f"{ms:.2f}", f"{base / ms:.2f}x"] + (
-            ["-", "-"] if captured is None or base_captured is None
-            else [f"{captured:.2f}", f"{base_captured / captured:.2f}x"]))
-    return md_table(f"MoE experts layer fwd+bwd, {shape} (ms, waited for; and one step captured in a CUDA graph, "
-                    "replayed: GPU time alone, '-' where capture fails; speed vs the first row)",
-                    ["impl", "ms", "vs first", "ms captured", "vs first (captured)"], rows)
+        runs.append({"shape": shape, "impl": name, "ms": round(ms, 4),
+                     "ms_captured": None if captured is None else round(captured, 4)})
+    results.setdefault("moe", []).extend(runs)
+    return moe_table(runs, failed, shape)
+
+
+def moe_table(runs, failed=(), shape=None) -> str:
+    """The MoE part's table from its result records (one shape): ms waited and captured, each against
+    Transformers' bf16 grouped_mm (else the first row); `failed`: rows of the impls that did not run."""
+    base = next((r for r in runs if r["impl"] == "bf16:grouped_mm"), runs[0] if runs else None)
+    rows = [[r["impl"], f"{r['ms']:.2f}", f"{base['ms'] / r['ms']:.2f}x"] + (
+        ["-", "-"] if r.get("ms_captured") is None or base.get("ms_captured") is None
+        else [f"{r['ms_captured']:.2f}", f"{base['ms_captured'] / r['ms_captured']:.2f}x"]) for r in runs]
+    return md_table(f"MoE experts layer fwd+bwd, {shape or runs[0]['shape']} (ms, waited for; and one step captured "
+                    "in a CUDA graph, replayed: GPU time alone, '-' where capture fails; speed vs "
+                    f"{base['impl'] if base else '-'})",
+                    ["impl", "ms", "vs base", "ms captured", "vs base (captured)"], rows + list(failed))
 
 
 def bench_sharq(dev, quick, results):
@@ -909,13 +917,7 @@ def render(results) -> str:
         rows = [[r["impl"], f"{r['tokens_per_s']:,}", f"{r['tokens_per_s'] / base:.2f}x"] for r in runs]
         text.append(md_table(f"End-to-end train step, {model}", ["impl", "tokens/s", "vs bf16"], rows))
     for shape in dict.fromkeys(r["shape"] for r in results.get("moe", [])):
-        runs = [r for r in results["moe"] if r["shape"] == shape]
-        base = next((r for r in runs if r["impl"] == "bf16:grouped_mm"), runs[0])
-        rows = [[r["impl"], f"{r['ms']:.2f}", f"{base['ms'] / r['ms']:.2f}x"] + (
-            ["-", "-"] if r.get("ms_captured") is None or base.get("ms_captured") is None
-            else [f"{r['ms_captured']:.2f}", f"{base['ms_captured'] / r['ms_captured']:.2f}x"]) for r in runs]
-        text.append(md_table(f"MoE experts layer fwd+bwd, {shape} (speed vs {base['impl']})",
-                             ["impl", "ms", "vs base", "ms captured", "vs base (captured)"], rows))
+        text.append(moe_table([r for r in results["moe"] if r["shape"] == shape]))
     return "\n".join(text)
 
 
