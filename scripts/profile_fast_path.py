@@ -27,6 +27,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import sys
+from pathlib import Path
 
 import torch
 import triton
@@ -36,6 +38,9 @@ from torch import nn
 import hf_fp4
 from hf_fp4 import FP4Linear, QuantSpec, preset
 from hf_fp4.nn.operands import OperandPlan, operands
+
+# bench.py beside this script, for the modes that time its steps (python -P keeps the script's folder off sys.path)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 FP8_CHUNK = 128  # the block-scale width of the 1x128 FP8 GEMMs measured (and dropped) by --gemm, --triton-gemm
 CHUNK = tl.constexpr(FP8_CHUNK)
@@ -280,7 +285,6 @@ def triton_blockwise_probe(dev: str, tokens: int = 8192) -> None:
     """Candidate Triton 1x128 FP8 GEMM: exact (FP32 accumulation bound) on operands whose chunks lie 2^+-20
     apart and whose values span E4M3's range, per variant; then graph-replay ms at bench.py's shapes
     against cuBLAS row-wise and 1x128."""
-    import sys
     sys.path.insert(0, "tests")
     from exactness import assert_within_accumulation_error
 
@@ -384,10 +388,6 @@ def profile_bench_linear(dev: str, names: list[str], k: int = 4096, n: int = 409
     """bench.py's linear step (its layers, compile modes and gradient resets) at one shape: its time with each call
     waited for and back to back (bench.timed), then torch.profiler's GPU time per kernel and step -- where a row
     loses against the sum of its kernels (a CUDA-graph tree's input copies, host time, an accumulation)."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench import linear_impls, linear_step, linear_times
 
     inputs = [(torch.randn(tokens, k, device=dev, dtype=torch.bfloat16).requires_grad_(),
@@ -411,10 +411,6 @@ def profile_bench_linear(dev: str, names: list[str], k: int = 4096, n: int = 409
 def profile_moe(dev: str, names: list[str], steps: int = 3) -> None:
     """bench.py's MoE layer (issue 16): per impl, its waited time and torch.profiler's GPU time per kernel and step
     -- where the FP4 grouped path loses against Transformers' bf16 grouped_mm (quantization passes, GEMMs)."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench import moe_steps, timed
 
     for name, step, shape in moe_steps(dev, False, names):
@@ -470,12 +466,8 @@ def correction_tiles(dev: str, k: int = 4096, n: int = 4096, tokens: int = 8192)
     """bench.py's linear_spread step (every wgrad tile flagged, so the correction recomputes all of it) for mxfp4,
     captured ms per tile of the correction's BF16 GEMM (hf_fp4.kernels.gemm.CORRECTION_TILE), beside bf16 and
     mxfp4 on unspread inputs in the same run: the correction's cost is the spread row minus the unspread one."""
-    import sys
-    from pathlib import Path
-
     from hf_fp4.kernels import gemm
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench import captured_ms, linear_impls, linear_step, spread_rows
 
     def inputs(make):
@@ -505,12 +497,8 @@ def moe_tiles(dev: str, presets: list[str]) -> None:
     -- TILE for the BF16 kernels (NVFP4 / UFP4), FP8_TILE for the FP8 ones (the MX family with +fp8gemm, e.g.
     "mxfp4+fp8gemm": its experts' default BF16 GEMMs are torch._grouped_mm's, which have no tile) -- against
     Transformers' bf16 grouped_mm in the same run."""
-    import sys
-    from pathlib import Path
-
     from hf_fp4.kernels import grouped_gemm
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench import captured_ms, moe_steps
 
     (_, step, shape), = moe_steps(dev, False, ["bf16:grouped_mm"])
@@ -538,10 +526,6 @@ def moe_tiles(dev: str, presets: list[str]) -> None:
 
 
 def profile_e2e(name: str, steps: int = 3, model_name: str = "llama-1.1b") -> None:
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench import LLAMA_1B, bench50m_model, build_model, train_step
 
     impl = _impl(name)
@@ -609,10 +593,6 @@ def attention_tiles(dev: str) -> None:
 def profile_optim(dev: str, labels: list[str], steps: int = 1) -> None:
     """Each optimizer of bench.py's OPTIMIZERS: its step alone (gradients from one backward), wall ms, GPU busy
     ms, synchronisations, and the ops that take the host's and the GPU's time."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench import OPTIMIZERS, bench50m_model
     from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -663,12 +643,9 @@ def inductor_stores(name: str, code_dir: str | None) -> None:
     """The kernels inductor generates for one decoder block's forward + backward, with their store counts:
     a kernel that stores one input into many buffers is copying it for the kernels that read it."""
     import re
-    import sys
-    from pathlib import Path
 
     from torch._inductor.utils import run_and_get_code
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench import LLAMA_1B, build_model, train_step
 
     torch._dynamo.reset()
