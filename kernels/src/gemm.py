@@ -62,9 +62,9 @@ def _segment_of(ends_ptr, E, ks, BK: tl.constexpr):
 def _copy_exact(data, side, eb, scale, R, C, ld_eb, gw, s_step, out, ends_ptr, E, tile,
                 BR: tl.constexpr, BK: tl.constexpr, BLC: tl.constexpr, SHIFT: tl.constexpr, GROUPS: tl.constexpr):
     """Tile `tile` (row-major over [R, C] in BR x BK tiles) of a contiguous FP8 operand's exact values, stored as
-    BF16 at out (the same shape and strides).  The row scale of element (r, c): scale[r] (GROUPS 0), or scale[g * s_step + r] with g the
-    column's group -- c // gw (1: W^T's experts, gw columns each) or its segment of ends (2: the grouped wgrad's
-    expert segments along the contraction)."""
+    BF16 at out (the same shape and strides).  The row scale of element (r, c): scale[r] (GROUPS 0), or
+    scale[g * s_step + r] with g the column's group -- c // gw (1: W^T's experts, gw columns each) or its segment
+    of ends (2: the grouped wgrad's expert segments along the contraction)."""
     k_tiles = tl.cdiv(C, BK)
     rows = (tile // k_tiles) * BR + tl.arange(0, BR)
     ks = (tile % k_tiles) * BK + tl.arange(0, BK)
