@@ -433,6 +433,48 @@ def test_compiled_blocks_keep_fp4_attention_in_their_graph():
     torch._dynamo.reset()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_fp4_attention_blocks_replay_under_cuda_graphs_with_plain_inductors_values():
+    """A model with round-to-nearest FP4 attention (the flash kernels) compiled under CUDA graphs
+    (reduce-overhead) captures every block -- no skipped graph -- and over three steps of new batches gives the loss
+    and gradients of the same blocks compiled without graphs, bit for bit (a replay that kept the first batch, or a
+    host read inside the capture, would not)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    from transformers import AutoModelForCausalLM
+
+    from hf_fp4.nn.compile import compile_model
+
+    batches = [torch.randint(0, 256, (2, 64), device="cuda", generator=torch.Generator("cuda").manual_seed(s))
+               for s in range(3)]
+
+    def train(mode):
+        torch._dynamo.reset()
+        counters.clear()
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(tiny_config(), quantization_config=hf_fp4.FP4TrainConfig(
+            "nvfp4", attention="nvfp4")).cuda()
+        compile_model(model, mode=mode)
+        steps = []
+        for ids in batches:
+            torch.compiler.cudagraph_mark_step_begin()
+            model.zero_grad(set_to_none=True)
+            with torch.autocast("cuda", torch.bfloat16):
+                loss = model(ids, labels=ids).loss
+            loss.backward()
+            steps.append([loss.detach().clone()] + [p.grad.clone() for p in model.parameters() if p.grad is not None])
+        return steps, counters["inductor"]["cudagraph_skips"]
+
+    plain, _ = train("default")
+    graphs, skips = train("reduce-overhead")
+    assert skips == 0
+    assert len({float(step[0]) for step in plain}) == 3  # three batches, three losses
+    for a, b in zip(plain, graphs):
+        assert len(a) == len(b) > 1 and all(torch.equal(x, y) for x, y in zip(a, b))
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("recipe,gqa,causal", [("nvfp4", 2, True), ("mxfp4", 1, False)])
 def test_fp4_attention_compiles_into_one_graph_with_its_eager_values(recipe, gqa, causal):
     """torch.compile(fullgraph=True) of fp4_attention (forward and backward through the custom ops' autograd
