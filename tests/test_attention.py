@@ -404,8 +404,8 @@ def test_compiled_blocks_keep_fp4_attention_in_their_graph():
     fullgraph=True (a graph break would raise) and gives the eager loss bit for bit (the gradients differ through
     the compiled norms' and softmax's FP32 rounding, which FP4 rounding amplifies -- without FP4 attention too; the
     attention op's own gradients are compared in test_fp4_attention_compiles_into_one_graph_with_its_eager_values).
-    Mode "auto" picks no CUDA graphs for it yet (graph_safe): the reference backend checks values on the host, a
-    stochastic recipe seeds each call from a host counter, and the flash path's capture is unproven on a GPU."""
+    Mode "auto" picks CUDA graphs for a round-to-nearest recipe on the flash kernels (graph_safe), not on the
+    reference backend (it checks values on the host) nor for a stochastic recipe (seeded from a host counter)."""
     import torch._dynamo
     from transformers import AutoModelForCausalLM
 
@@ -429,7 +429,12 @@ def test_compiled_blocks_keep_fp4_attention_in_their_graph():
     compiled, compiled_grads = loss_and_grads()
     assert torch.equal(compiled, eager) and len(compiled_grads) == len(eager_grads) > 0
     assert all(g.isfinite().all() for g in compiled_grads)
-    assert not graph_safe(model) and graph_safe(AutoModelForCausalLM.from_config(tiny_config()))
+    assert graph_safe(model) and graph_safe(AutoModelForCausalLM.from_config(tiny_config()))
+    model.config.hf_fp4_attention_backend = "reference"
+    assert not graph_safe(model)
+    assert not graph_safe(AutoModelForCausalLM.from_config(tiny_config(), quantization_config=hf_fp4.FP4TrainConfig(
+        "nvfp4", attention={"q": "nvfp4", "k": "nvfp4", "v": "nvfp4",
+                            "ds": dataclasses.replace(QuantSpec.preset("nvfp4"), rounding="stochastic")})))
     torch._dynamo.reset()
 
 
