@@ -404,8 +404,8 @@ def test_compiled_blocks_keep_fp4_attention_in_their_graph():
     fullgraph=True (a graph break would raise) and gives the eager loss bit for bit (the gradients differ through
     the compiled norms' and softmax's FP32 rounding, which FP4 rounding amplifies -- without FP4 attention too; the
     attention op's own gradients are compared in test_fp4_attention_compiles_into_one_graph_with_its_eager_values).
-    Mode "auto" picks CUDA graphs for a round-to-nearest recipe on the flash kernels (graph_safe), not on the
-    reference backend (it checks values on the host) nor for a stochastic recipe (seeded from a host counter)."""
+    Mode "auto" picks no CUDA graphs for it yet (graph_safe): the reference backend checks values on the host, a
+    stochastic recipe seeds each call from a host counter, and the flash path's capture is unproven on a GPU."""
     import torch._dynamo
     from transformers import AutoModelForCausalLM
 
@@ -429,12 +429,7 @@ def test_compiled_blocks_keep_fp4_attention_in_their_graph():
     compiled, compiled_grads = loss_and_grads()
     assert torch.equal(compiled, eager) and len(compiled_grads) == len(eager_grads) > 0
     assert all(g.isfinite().all() for g in compiled_grads)
-    assert graph_safe(model) and graph_safe(AutoModelForCausalLM.from_config(tiny_config()))
-    model.config.hf_fp4_attention_backend = "reference"
-    assert not graph_safe(model)
-    assert not graph_safe(AutoModelForCausalLM.from_config(tiny_config(), quantization_config=hf_fp4.FP4TrainConfig(
-        "nvfp4", attention={"q": "nvfp4", "k": "nvfp4", "v": "nvfp4",
-                            "ds": dataclasses.replace(QuantSpec.preset("nvfp4"), rounding="stochastic")})))
+    assert not graph_safe(model) and graph_safe(AutoModelForCausalLM.from_config(tiny_config()))
     torch._dynamo.reset()
 
 
@@ -450,6 +445,7 @@ def test_fp4_attention_blocks_replay_under_cuda_graphs_with_plain_inductors_valu
     from transformers import AutoModelForCausalLM
 
     from hf_fp4.nn.compile import compile_model
+    from hf_fp4.nn.swap import fp4_modules
 
     batches = [torch.randint(0, 256, (2, 64), device="cuda", generator=torch.Generator("cuda").manual_seed(s))
                for s in range(3)]
@@ -461,6 +457,8 @@ def test_fp4_attention_blocks_replay_under_cuda_graphs_with_plain_inductors_valu
         model = AutoModelForCausalLM.from_config(tiny_config(), quantization_config=hf_fp4.FP4TrainConfig(
             "nvfp4", attention="nvfp4")).cuda()
         compile_model(model, mode=mode)
+        for layer in fp4_modules(model).values():  # opaque ops in both modes: the same graphs, graphs or not
+            layer.cuda_graphs = True
         steps = []
         for ids in batches:
             torch.compiler.cudagraph_mark_step_begin()
@@ -475,8 +473,10 @@ def test_fp4_attention_blocks_replay_under_cuda_graphs_with_plain_inductors_valu
     graphs, skips = train("reduce-overhead")
     assert skips == 0
     assert len({float(step[0]) for step in plain}) == 3  # three batches, three losses
-    for a, b in zip(plain, graphs):
-        assert len(a) == len(b) > 1 and all(torch.equal(x, y) for x, y in zip(a, b))
+    for step, (a, b) in enumerate(zip(plain, graphs)):
+        assert len(a) == len(b) > 1
+        differ = [i for i, (x, y) in enumerate(zip(a, b)) if not torch.equal(x, y)]
+        assert not differ, f"step {step}: losses {float(a[0])} / {float(b[0])}, tensors {differ} of {len(a)} differ"
     torch._dynamo.reset()
 
 
