@@ -192,7 +192,12 @@ class EmulatedGroupedNVFP4(torch.autograd.Function):
         wt = w.transpose(1, 2).contiguous()
         dx = torch._grouped_mm(fake_nvfp4(dy), fake_nvfp4(wt.reshape(e * k, n)).view(e, k, n).transpose(1, 2),
                                offs=offs)
-        dw = torch._grouped_mm(fake_nvfp4(dy.t().contiguous()), fake_nvfp4(x.t().contiguous()).t(), offs=offs)
+        # the tokens (wgrad's contraction, split by offs) as the operands' outer dim, as torch's own backward
+        # passes them: CUDA's grouped GEMM needs each group's start 16-byte aligned along a contiguous dynamic dim
+        # (session 23's device-side assert: groups of any token count)
+        dyt = fake_nvfp4(dy.t().contiguous()).t().contiguous().t()  # [N, R], blocks along R, R outer
+        xq = fake_nvfp4(x.t().contiguous()).t().contiguous()  # [R, K], blocks along R, R outer
+        dw = torch._grouped_mm(dyt, xq, offs=offs)
         return dx, dw, None
 
 

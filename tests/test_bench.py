@@ -102,3 +102,35 @@ def test_merged_results_render_each_timing_and_skip_missing_ones(tmp_path):
     assert "| hf_fp4:nvfp4 | 6.00 | 0.50x | 4.00 | 0.50x |" in text
     merged = json.loads(next(out.glob("results-*.json")).read_text())
     assert [r["impl"] for r in merged["moe"]] == ["bf16:grouped_mm", "hf_fp4:nvfp4"]
+
+
+def test_the_moe_emulation_peer_computes_each_experts_three_gemms():
+    """bench.py's EmulatedGroupedNVFP4 (the MoE part's compiled-emulation peer): each segment's output, input
+    gradient and its expert's weight gradient equal the products of the fake-quantized tensors (each quantized
+    whole: the stacked weights one tensor; blocks along K for fprop, N for dgrad, the tokens for wgrad) sliced per
+    expert, segments of any length (an empty one too)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from bench import EmulatedGroupedNVFP4, fake_nvfp4
+
+    g = torch.Generator().manual_seed(0)
+    e, n, k, counts = 3, 32, 48, [5, 0, 11]
+    rows = sum(counts)
+    x = torch.randn(rows, k, generator=g).to(torch.bfloat16).requires_grad_()
+    w = torch.randn(e, n, k, generator=g).to(torch.bfloat16).requires_grad_()
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+    dy = torch.randn(rows, n, generator=g).to(torch.bfloat16)
+    y = EmulatedGroupedNVFP4.apply(x, w, offs)
+    y.backward(dy)
+    xq, dyq = fake_nvfp4(x.detach()).float(), fake_nvfp4(dy).float()
+    xtq, dytq = fake_nvfp4(x.detach().t().contiguous()).float(), fake_nvfp4(dy.t().contiguous()).float()
+    start = 0
+    for i, c in enumerate(counts):
+        seg = slice(start, start + c)
+        wq = fake_nvfp4(w.detach().reshape(e * n, k)).view(e, n, k)[i].float()  # all experts as one tensor
+        wtq = fake_nvfp4(w.detach().transpose(1, 2).reshape(e * k, n)).view(e, k, n)[i].float()
+        torch.testing.assert_close(y[seg].float(), (xq[seg] @ wq.t()).bfloat16().float(), rtol=2 ** -7, atol=1e-3)
+        torch.testing.assert_close(x.grad[seg].float(), (dyq[seg] @ wtq.t()).bfloat16().float(), rtol=2 ** -7,
+                                   atol=1e-3)
+        torch.testing.assert_close(w.grad[i].float(), (dytq[:, seg] @ xtq[:, seg].t()).bfloat16().float(),
+                                   rtol=2 ** -7, atol=1e-3)
+        start += c
