@@ -519,6 +519,15 @@ def test_gradient_checkpointing_gives_the_gradients_and_streams_of_the_plain_run
 #: issue 16's small MoE study model (configs/study/moe-small.yaml) cut to two layers: the sizes at which its
 #: nvfp4 / ufp4 runs diverged on the GPU (2026-12-06, gradient norms ~1e11 from the first steps) while mxfp4 trained
 #: as bf16 did -- below, the grouped layer against the loop at those sizes, and the compiled model against eager
+def study_recipe(name: str) -> FP4TrainConfig:
+    """"nvfp4" or "nvfp4:option=value" (one of preset()'s ablation options, a YAML value)."""
+    import yaml
+
+    name, _, option = name.partition(":")
+    key, _, value = option.partition("=")
+    return FP4TrainConfig(name, **({key: yaml.safe_load(value)} if key else {}))
+
+
 def study_moe_config():
     return Qwen3MoeConfig(hidden_size=512, intermediate_size=1536, moe_intermediate_size=384, num_experts=16,
                           num_experts_per_tok=2, decoder_sparse_step=1, num_hidden_layers=2, num_attention_heads=8,
@@ -563,13 +572,15 @@ def test_grouped_experts_at_the_studys_size_equal_the_loop_with_fp32_master_weig
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="inductor and CUDA graphs on the GPU")
 @pytest.mark.parametrize("backend,mode", [("aot_eager", "default"), ("inductor", "default"),
                                           ("inductor", "reduce-overhead")])
-@pytest.mark.parametrize("recipe", ["nvfp4", "ufp4", "mxfp4"])
+@pytest.mark.parametrize("recipe", ["nvfp4", "ufp4", "mxfp4", "nvfp4:stochastic_rounding=false",
+                                    "nvfp4:hadamard=none"])
 def test_a_compiled_moe_model_steps_as_eager_at_the_studys_size(recipe, backend, mode):
     """The study model (two layers), FP32 master weights under BF16 autocast as the trainer runs it: three
     training steps of the blocks compiled by compile_model (aot_eager; inductor, with CUDA graphs in
     reduce-overhead) give eager's losses and gradient norms within what inductor's fused norms and softmax move
     (the FP4 rounding amplifies FP32 differences, so not bit for bit) -- a wrong operand or GEMM in the compiled
-    experts moves the gradient norm by orders of magnitude (the diverged study runs)."""
+    experts moves the gradient norm by orders of magnitude (the diverged study runs).  The nvfp4 ablations (no
+    SR, no Hadamard) tell which of the two-level recipes' extras mxfp4 lacks a failure needs."""
     import torch._dynamo
 
     from hf_fp4.nn.compile import compile_model
@@ -580,7 +591,7 @@ def test_a_compiled_moe_model_steps_as_eager_at_the_studys_size(recipe, backend,
     def steps(compiled):
         torch._dynamo.reset()
         torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(study_moe_config(), quantization_config=FP4TrainConfig(recipe))
+        model = AutoModelForCausalLM.from_config(study_moe_config(), quantization_config=study_recipe(recipe))
         model = model.cuda().train()
         if compiled:
             compile_model(model, mode=mode, backend=backend)
