@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 import torch
-from tiny import tiny_config
+from tiny import cuda_train_steps, tiny_config
 
 import hf_fp4
 from hf_fp4 import QuantSpec, quantize
@@ -459,14 +459,8 @@ def test_fp4_attention_blocks_replay_under_cuda_graphs_with_plain_inductors_valu
         compile_model(model, mode=mode)
         for layer in fp4_modules(model).values():  # opaque ops in both modes: the same graphs, graphs or not
             layer.cuda_graphs = True
-        steps = []
-        for ids in batches:
-            torch.compiler.cudagraph_mark_step_begin()
-            model.zero_grad(set_to_none=True)
-            with torch.autocast("cuda", torch.bfloat16):
-                loss = model(ids, labels=ids).loss
-            loss.backward()
-            steps.append([loss.detach().clone()] + [p.grad.clone() for p in model.parameters() if p.grad is not None])
+        steps = [[loss.clone()] + [p.grad.clone() for p in model.parameters() if p.grad is not None]
+                 for loss in cuda_train_steps(model, batches)]
         return steps, counters["inductor"]["cudagraph_skips"]
 
     plain, _ = train("default")

@@ -7,6 +7,8 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, MixtralConfig, OlmoeConfig, Qwen3MoeConfig
 
+from tiny import cuda_train_steps
+
 import hf_fp4
 from hf_fp4 import FP4Linear, FP4TrainConfig, preset
 from hf_fp4.nn.compile import graph_safe
@@ -519,6 +521,10 @@ def test_gradient_checkpointing_gives_the_gradients_and_streams_of_the_plain_run
 #: issue 16's small MoE study model (configs/study/moe-small.yaml) cut to two layers: the sizes at which its
 #: nvfp4 / ufp4 runs diverged on the GPU (2026-12-06, gradient norms ~1e11 from the first steps) while mxfp4 trained
 #: as bf16 did -- below, the grouped layer against the loop at those sizes, and the compiled model against eager
+def grad_norms(model) -> dict[str, float]:
+    return {n: float(p.grad.float().norm()) for n, p in model.named_parameters() if p.grad is not None}
+
+
 def study_recipe(name: str) -> FP4TrainConfig:
     """"nvfp4" or "nvfp4:option=value" (one of preset()'s ablation options, a YAML value)."""
     import yaml
@@ -595,16 +601,7 @@ def test_a_compiled_moe_model_steps_as_eager_at_the_studys_size(recipe, backend,
         model = model.cuda().train()
         if compiled:
             compile_model(model, mode=mode, backend=backend)
-        out = []
-        for ids in batches:
-            torch.compiler.cudagraph_mark_step_begin()
-            model.zero_grad(set_to_none=True)
-            with torch.autocast("cuda", torch.bfloat16):
-                loss = model(ids, labels=ids).loss
-            loss.backward()
-            norms = {n: float(p.grad.float().norm()) for n, p in model.named_parameters() if p.grad is not None}
-            out.append((float(loss), norms))
-        return out
+        return [(float(loss), grad_norms(model)) for loss in cuda_train_steps(model, batches)]
 
     eager, compiled = steps(False), steps(True)
     for (l0, n0), (l1, n1) in zip(eager, compiled):
@@ -627,12 +624,8 @@ def test_the_studys_moe_model_gets_gradients_near_bf16s(recipe):
     def step(name):
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(study_moe_config(), quantization_config=FP4TrainConfig(name))
-        model = model.cuda().train()
-        with torch.autocast("cuda", torch.bfloat16):
-            loss = model(ids, labels=ids).loss
-        loss.backward()
-        return float(loss), {n: float(p.grad.float().norm()) for n, p in model.named_parameters()
-                             if p.grad is not None}
+        loss = next(cuda_train_steps(model.cuda().train(), [ids]))
+        return float(loss), grad_norms(model)
 
     (l_ref, ref), (l_fp4, fp4) = step("bf16"), step(recipe)
     assert abs(l_fp4 - l_ref) <= 0.05 * l_ref, (l_ref, l_fp4)

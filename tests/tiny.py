@@ -1,4 +1,5 @@
-"""Tiny model configs shared by the tests."""
+"""Tiny model configs shared by the tests, and a CUDA training-step loop."""
+import torch
 from transformers import LlamaConfig, Qwen2Config
 
 VOCAB = 256
@@ -12,3 +13,15 @@ def tiny_config(arch: str = "llama", layers: int = 2):
     if arch == "qwen2":
         return Qwen2Config(**common)
     raise ValueError(arch)
+
+
+def cuda_train_steps(model, batches):
+    """One training step of `model` under BF16 autocast per batch of token ids (each marked as a new CUDA-graph
+    step): yields each step's loss, the gradients left in the model."""
+    for ids in batches:
+        torch.compiler.cudagraph_mark_step_begin()
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", torch.bfloat16):
+            loss = model(ids, labels=ids).loss
+        loss.backward()
+        yield loss.detach()
