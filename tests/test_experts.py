@@ -577,19 +577,24 @@ def test_grouped_experts_at_the_studys_size_equal_the_loop_with_fp32_master_weig
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="inductor and CUDA graphs on the GPU")
 @pytest.mark.parametrize("backend,mode", [("aot_eager", "default"), ("inductor", "default"),
-                                          ("inductor", "reduce-overhead")])
+                                          ("inductor", "reduce-overhead"), ("inductor+opaque", "reduce-overhead")])
 @pytest.mark.parametrize("recipe", ["nvfp4", "ufp4", "mxfp4", "nvfp4:stochastic_rounding=false",
                                     "nvfp4:hadamard=none"])
-def test_a_compiled_moe_model_steps_as_eager_at_the_studys_size(recipe, backend, mode):
+def test_a_compiled_moe_model_steps_as_eager_at_the_studys_size(recipe, backend, mode, monkeypatch):
     """The study model (two layers), FP32 master weights under BF16 autocast as the trainer runs it: three
     training steps of the blocks compiled by compile_model (aot_eager; inductor, with CUDA graphs in
     reduce-overhead) give eager's losses and gradient norms within what inductor's fused norms and softmax move
     (the FP4 rounding amplifies FP32 differences, so not bit for bit) -- a wrong operand or GEMM in the compiled
     experts moves the gradient norm by orders of magnitude (the diverged study runs).  The nvfp4 ablations (no
-    SR, no Hadamard) tell which of the two-level recipes' extras mxfp4 lacks a failure needs."""
+    SR, no Hadamard) tell which of the two-level recipes' extras mxfp4 lacks a failure needs; "inductor+opaque"
+    launches every hf_fp4 kernel from opaque custom ops (HF_FP4_TRITON_OPS=0), not triton_ops inductor traces."""
     import torch._dynamo
 
+    from hf_fp4.nn import operands
     from hf_fp4.nn.compile import compile_model
+
+    backend, _, opaque = backend.partition("+")
+    monkeypatch.setattr(operands, "TRITON_OPS", not opaque)
 
     g = torch.Generator("cuda").manual_seed(0)
     batches = [torch.randint(0, 8192, (4, 1024), device="cuda", generator=g) for _ in range(3)]
