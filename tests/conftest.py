@@ -19,6 +19,12 @@ WORDS = ("the of and to in a is that for it as was with be by on not he this are
          "old year off come since against go came right used take three").split()
 
 
+def pytest_collection_modifyitems(config, items):
+    """The tests marked slow first (in their collection order): under -n 2 each then runs beside the many short
+    ones instead of ending the suite alone (session 23: the SIGKILL-resume test ran 232 s, the suite 15.2 min)."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 def need(module: str, extra: str):
     """Import a package the test environment must have (an extra scripts/setup.sh installs): missing, the
     test fails and says how to install it -- it never turns into a skip."""

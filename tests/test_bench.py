@@ -5,11 +5,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow
 def test_bench_quick_parts_write_every_row(tmp_path):
     cmd = [sys.executable, str(ROOT / "scripts" / "bench.py"), "--quick", "--parts", "linear,attention,moe,sharq,optim",
            "--impls", "bf16,hf_fp4:nvfp4,hf_fp4:mxfp4+bf16gemm,emulation_compiled", "--out", str(tmp_path)]

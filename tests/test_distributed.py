@@ -86,6 +86,7 @@ def test_fsdp2_shards_fp4_experts_and_resumes_exactly(tmp_path):
     assert list(b["local_shapes"].values()) == [[2, 64, 64]]  # each rank holds 2 of the 4 experts' down_proj
 
 
+@pytest.mark.slow
 def test_trainer_under_fsdp2_with_fp4_all_gather_trains_resumes_and_exports(corpus_files, tmp_path):
     """scripts/pretrain.py's trainer under accelerate's FSDP2 on two CPU ranks (tests/accelerate_fsdp2_worker.py: the
     distributed type set to FSDP after accelerate builds its state -- it enables FSDP on GPUs only), nvfp4: with

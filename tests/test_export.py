@@ -218,6 +218,7 @@ def test_export_errors_are_clear(trained, tmp_path):
         export_model(str(trained["ufp4"]), "fp4", str(tmp_path / "taken"))
 
 
+@pytest.mark.slow
 def test_evaluate_and_model_card(trained, tmp_path):
     need("lm_eval", "eval")
     from hf_fp4.release import evaldata

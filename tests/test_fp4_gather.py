@@ -244,6 +244,7 @@ def test_payload_bytes_per_all_gather_are_about_a_quarter_of_bf16():
 @pytest.mark.parametrize("recipe,checkpointing,ratio,compiled,precompute", [
     ("nvfp4", "0", 3.9, "", "once"), ("ufp4", "0", 3.5, "", "1"), ("ufp4", "1", 1.7, "", "0"),
     ("nvfp4", "0", 3.9, "aot_eager", "0")])
+@pytest.mark.slow
 def test_fsdp2_with_fp4_all_gather_trains_exactly_as_with_bf16_all_gather(tmp_path, recipe, checkpointing, ratio,
                                                                           compiled, precompute):
     """Two CPU ranks (gloo), FSDP2 with BF16 mixed precision: the losses and the gathered weights are bit-identical

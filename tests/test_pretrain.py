@@ -155,6 +155,7 @@ def test_output_dir_of_another_run_is_refused(corpus_files, tmp_path):
     assert (tmp_path / "run" / "final" / "config.json").exists()
 
 
+@pytest.mark.slow
 def test_sigkill_at_six_moments_then_resume_reproduces_the_uninterrupted_losses(corpus_files, tmp_path):
     """SIGKILL at 6 moments of one run -- three in the middle of a checkpoint write (its temporary folder on
     disk), three at a random time after a checkpoint completed -- each followed by `--resume`: the losses and
@@ -515,6 +516,7 @@ def test_a_finite_loss_with_a_non_finite_gradient_is_skipped(corpus_files, tmp_p
     assert all(r["loss"] is not None and r["loss"] == r["loss"] for r in recs[3:])  # the weights stayed finite
 
 
+@pytest.mark.slow
 def test_precision_schedule_switches_gemms_to_bf16_and_resumes_exactly(corpus_files, tmp_path, monkeypatch):
     """precision_schedule [{at: 0.5, bf16: [fprop]}] over 8 steps: steps 1-4 are the plain recipe's, from step 5
     on fprop runs unquantized (the losses part), the records say so, and a run stopped after its step-6
@@ -553,6 +555,7 @@ def test_run_gemms_in_bf16_gives_the_unquantized_product():
     assert torch.equal(model(x), quantized)
 
 
+@pytest.mark.slow
 def test_fp4_adamw_keeps_nvfp4_moments_in_checkpoints_and_resumes_exactly(corpus_files, tmp_path):
     """optimizer: fp4_adamw -- the checkpointed optimizer state holds packed codes (uint8) and E4M3 scales for
     the large matrices, and a run stopped at step 3 and resumed logs the uninterrupted run's losses."""
@@ -600,6 +603,7 @@ def test_python_m_hf_fp4_names_its_commands():
     assert done.returncode == 0 and "--parallel" in done.stdout
 
 
+@pytest.mark.slow
 def test_a_moe_model_trains_and_resumes_exactly(corpus_files, tmp_path):
     """A tiny Qwen3-MoE through the trainer with nvfp4 (stochastic rounding in the experts' dgrad and wgrad):
     the experts train in FP4 and a run stopped at step 3 and resumed logs the uninterrupted run's losses -- the

@@ -22,6 +22,7 @@ def write_study(tmp_path, files, runs, **extra):
     return tmp_path / "study.yaml"
 
 
+@pytest.mark.slow
 def test_study_runs_each_run_once_resumes_and_tabulates(corpus_files, tmp_path, capsys):
     runs = [{"recipe": "bf16", "seeds": [0, 1]}, {"recipe": "nvfp4"},
             {"label": "nvfp4-late-bf16", "recipe": "nvfp4", "precision_schedule": [{"at": 0.5, "bf16": ["fprop"]}]}]
