@@ -672,7 +672,7 @@ def moe_names(impls: str | None, loop: bool = True) -> list[str]:
     for p in FP4_PRESETS:
         names += [f"hf_fp4:{p}{v}" for v in ("", "+fp8gemm", "+bf16gemm")
                   if (listed is None and not v) or (listed is not None and f"hf_fp4:{p}{v}" in listed)]
-    first = next((n for n in names if n.startswith("hf_fp4:") and "+" not in n), None)
+    first = next((n for n in names if "+" not in n), None)
     names += [f"{first}:loop"] if loop and first else []
     return names + (["emulation_compiled"] if listed is None or "emulation_compiled" in listed else [])
 
