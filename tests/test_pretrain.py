@@ -356,6 +356,34 @@ def test_gradients_reach_the_optimizer_clipped_to_grad_clip(corpus_files, tmp_pa
     assert all(abs(n - 0.05) < 1e-4 for n in seen), seen  # ... and got it
 
 
+def test_log_top_grads_names_the_largest_gradients_each_logged_step(corpus_files, tmp_path, monkeypatch):
+    """log_top_grads: n logs each logged step's n largest per-parameter gradient norms (before clipping), largest
+    first -- the norms the optimizer then sees (no clipping here), named as model.named_parameters() names them."""
+    seen = []
+    real_step = torch.optim.AdamW.step
+
+    def step(self, *args, **kwargs):
+        seen.append({id(p): float(p.grad.norm()) for g in self.param_groups for p in g["params"] if p.grad is not None})
+        return real_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", step)
+    monkeypatch.setattr(trainer, "largest_grad_norms", lambda model, n, real=trainer.largest_grad_norms: (
+        names.update({n_: id(p) for n_, p in model.named_parameters()}) or real(model, n)))
+    names = {}
+    trainer.train(TrainConfig.from_dict(tiny_cfg(corpus_files, tmp_path / "a", max_steps=4, eval_every=100,
+                                                 grad_clip=1e9, log_every=2, log_top_grads=3)))
+    logged = [r for r in records(tmp_path / "a")]
+    assert [r["step"] for r in logged] == [2, 4]
+    for r in logged:
+        norms = {n: seen[r["step"] - 1][names[n]] for n in names if names[n] in seen[r["step"] - 1]}
+        want = sorted(norms, key=norms.get, reverse=True)[:3]
+        assert list(r["top_grads"]) == want
+        for n in want:
+            assert abs(r["top_grads"][n] - norms[n]) <= 1e-5 * norms[n]
+    with pytest.raises(ValueError, match="log_top_grads"):
+        TrainConfig.from_dict(tiny_cfg(corpus_files, tmp_path / "b", log_top_grads=-1))
+
+
 def test_compare_runs_writes_a_plot_and_a_gap_table(tmp_path):
     for name, recipe, val in (("base", "bf16", 3.0), ("fp4", "nvfp4", 3.06)):
         run = tmp_path / name

@@ -64,6 +64,7 @@ class TrainConfig:
     eval_every: int = 50
     eval_batches: int = 8
     log_every: int = 1
+    log_top_grads: int = 0                        # > 0: each logged step names its n largest gradient norms
     checkpoint_every: int = 100
     keep_checkpoints: int = 2
     max_bad_steps: int = 5                        # non-finite steps in a row before aborting
@@ -81,6 +82,8 @@ class TrainConfig:
             if getattr(self, key) not in valid:
                 raise ValueError(f"{key}={getattr(self, key)!r}: valid values are "
                                  f"{', '.join(str(v).lower() for v in valid)}")
+        if not isinstance(self.log_top_grads, int) or self.log_top_grads < 0:
+            raise ValueError(f"log_top_grads must be an integer >= 0, got {self.log_top_grads!r}")
         positive = ("seq_len", "batch_size", "grad_accum", "max_steps", "eval_every", "eval_batches",
                     "log_every", "checkpoint_every", "keep_checkpoints", "max_bad_steps", "vocab_size")
         for key in positive:

@@ -328,6 +328,17 @@ def enable_fp4_gather(accelerator, model) -> None:
               + "".join(f"\n  {name}: high precision ({why})" for name, why in left.items()))
 
 
+def largest_grad_norms(model: torch.nn.Module, n: int) -> dict[str, float]:
+    """The n parameters with the largest gradient norms (before clipping), largest first: which layer a growing
+    total norm comes from.  Under FSDP each process's shard of a gradient (its local norm)."""
+    norms = [(name, p.grad.detach().float().norm()) for name, p in model.named_parameters() if p.grad is not None]
+    if not norms:
+        return {}
+    values = torch.stack([v for _, v in norms]).cpu().tolist()  # one device-to-host copy
+    order = sorted(range(len(values)), key=lambda i: -values[i] if values[i] == values[i] else -math.inf)
+    return {norms[i][0]: values[i] for i in order[:n]}
+
+
 def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
     """Run one pretraining job; returns the final metrics record."""
     from accelerate import Accelerator
@@ -437,6 +448,9 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> di
             if not finite and not reason:
                 reason = "non-finite loss on another rank"
         grad_norm = float("nan")
+        top_grads = None
+        if finite and cfg.log_top_grads and (state.step + 1) % cfg.log_every == 0:
+            top_grads = largest_grad_norms(accelerator.unwrap_model(model), cfg.log_top_grads)
         if finite:
             grad_norm = float(accelerator.clip_grad_norm_(params, cfg.grad_clip))
             if not math.isfinite(grad_norm):
@@ -464,6 +478,8 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> di
                   "skipped": not finite}
         if bf16_gemms:
             record["bf16_gemms"] = list(bf16_gemms)
+        if top_grads:
+            record["top_grads"] = top_grads
         if not finite:
             record["reason"] = reason
             accelerator.print(f"hf_fp4: step {state.step} skipped ({reason}); "
