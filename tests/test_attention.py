@@ -404,8 +404,9 @@ def test_compiled_blocks_keep_fp4_attention_in_their_graph():
     fullgraph=True (a graph break would raise) and gives the eager loss bit for bit (the gradients differ through
     the compiled norms' and softmax's FP32 rounding, which FP4 rounding amplifies -- without FP4 attention too; the
     attention op's own gradients are compared in test_fp4_attention_compiles_into_one_graph_with_its_eager_values).
-    Mode "auto" picks no CUDA graphs for it yet (graph_safe): the reference backend checks values on the host, a
-    stochastic recipe seeds each call from a host counter, and the flash path's capture is unproven on a GPU."""
+    Mode "auto" picks CUDA graphs for it only where it reads nothing on the host (graph_safe): the flash kernels of
+    a round-to-nearest recipe on CUDA -- not the reference backend (it checks values on the host; the CPU's
+    "auto"), not a stochastic recipe (it seeds each call from a host counter)."""
     import torch._dynamo
     from transformers import AutoModelForCausalLM
 
@@ -430,6 +431,14 @@ def test_compiled_blocks_keep_fp4_attention_in_their_graph():
     assert torch.equal(compiled, eager) and len(compiled_grads) == len(eager_grads) > 0
     assert all(g.isfinite().all() for g in compiled_grads)
     assert not graph_safe(model) and graph_safe(AutoModelForCausalLM.from_config(tiny_config()))
+    model.config.hf_fp4_attention_backend = "triton"  # the flash kernels, round to nearest: no host read
+    assert graph_safe(model)
+    sr = {**QuantSpec.preset("nvfp4").to_dict(), "rounding": "stochastic"}
+    for attention, backend in (("nvfp4", "reference"), ({"q": "nvfp4", "k": "nvfp4", "v": "nvfp4", "ds": sr},
+                                                        "triton")):
+        model.config.hf_fp4_attention_backend = backend
+        model.config.hf_fp4_attention = attention
+        assert not graph_safe(model), (attention, backend)
     torch._dynamo.reset()
 
 

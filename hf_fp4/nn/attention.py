@@ -24,8 +24,8 @@ hf_fp4.kernels.attention) compute the same without
 materialising S, P or dS: within the BF16 rounding of P and FP32 arithmetic of this reference, with dS
 quantized in registers exactly as quantize_rows would quantize the kernel's own dS.  Either backend runs inside
 one pair of opaque custom ops (`hf_fp4::attention`, `hf_fp4::attention_backward`), so torch.compile keeps a call in
-its graph (no graph break); the flash path of a round-to-nearest recipe reads nothing on the host (CUDA graphs:
-not yet run on a GPU, so hf_fp4.nn.compile.graph_safe still says no).
+its graph (no graph break); the flash path of a round-to-nearest recipe reads nothing on the host and runs under
+CUDA graphs (hf_fp4.nn.compile.graph_safe).
 """
 from __future__ import annotations
 
@@ -233,7 +233,7 @@ def _backward(d_out, qh, kh, vh, out, keep, decodes, lse, scale: float, recipe: 
 
 # FP4 attention as two custom ops with an autograd formula: torch.compile keeps each call in the graph as one opaque
 # op (no graph break: the reference's host-side checks and the kernels' launches run inside it); on CUDA the
-# flash path has no host synchronisation (CUDA graphs: to be run on a GPU before graph_safe allows them).  The
+# flash path has no host synchronisation (it runs under CUDA graphs: hf_fp4.nn.compile.graph_safe).  The
 # recipe travels as its JSON (an op takes no dataclass); the saved Q^, K^, V^, decodes and log-sum-exp are
 # outputs of the forward op (empty tensors where a path has none).
 def recipe_key(recipe: AttentionRecipe) -> str:

@@ -9,8 +9,8 @@ launched depends on the mode:
   (``triton_op``), avoiding a Python call per launch -- a 1.1B Llama step has thousands.
 
 `compile_model` sets that per layer (FP4Linear.cuda_graphs); numerics are identical either way.  A model whose
-blocks read the host or are not yet proven under CUDA graphs (the per-expert loop of FP4 experts, FP4 attention:
-`graph_safe`) keeps the opaque custom ops too.  FP4 attention is itself an opaque custom op (hf_fp4.nn.attention):
+blocks read the host (the per-expert loop of FP4 experts, FP4 attention on the reference backend or with
+stochastic rounding: `graph_safe`) keeps the opaque custom ops too.  FP4 attention is itself an opaque custom op (hf_fp4.nn.attention):
 no graph break.
 
 Blocks compile with static shapes (``dynamic=False``): a training run has one input shape, and a new shape
@@ -33,17 +33,21 @@ BACKENDS = ("inductor", "aot_eager", "eager")
 
 
 def graph_safe(model: nn.Module | None) -> bool:
-    """False for a model with FP4 attention (hf_fp4.nn.attention: the reference backend checks for non-finite
-    values on the host, which a CUDA graph cannot capture, and a stochastic-rounding recipe seeds each call from a
-    host counter; the flash kernels of a round-to-nearest recipe read nothing there, but their capture has not
-    been run on a GPU yet, so no recipe is graph-safe until it has) or FP4 experts that run the per-expert loop
-    (hf_fp4.nn.experts: it reads the routing counts on the host); experts whose every layer takes the grouped
-    GEMMs with BF16 activations (ExpertsFP4.layer_reason: no host read) are graph-safe."""
+    """False for a model with FP4 attention that reads the host (hf_fp4.nn.attention: the reference backend checks
+    for non-finite values there, and a stochastic-rounding recipe seeds each call from a host counter); the flash
+    kernels of a round-to-nearest recipe on CUDA read nothing there and replay under CUDA graphs (tests/
+    test_attention.py, H100, 2026-12-06).  False for FP4 experts that run the per-expert loop (hf_fp4.nn.experts:
+    it reads the routing counts on the host); experts whose every layer takes the grouped GEMMs with BF16
+    activations (ExpertsFP4.layer_reason: no host read) are graph-safe."""
+    from .attention import AttentionRecipe
     from .experts import experts_modules
 
     config = getattr(model, "config", None)
     if getattr(config, "_attn_implementation", None) == "hf_fp4":
-        return False
+        recipe = AttentionRecipe.build(getattr(config, "hf_fp4_attention", None) or "nvfp4")
+        backend = getattr(config, "hf_fp4_attention_backend", "auto")
+        if recipe.stochastic or backend == "reference" or (backend == "auto" and not torch.cuda.is_available()):
+            return False
     if getattr(config, "_experts_implementation", None) == "hf_fp4":
         return all(getattr(m, "hf_fp4", None) is not None and m.hf_fp4.layer_reason(m) is None
                    for m in experts_modules(model).values())
