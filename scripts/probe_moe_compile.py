@@ -114,7 +114,8 @@ def replay_layer(module, seen: dict, backend: str, mode: str):
         return y.float(), x.grad.float(), getattr(module, up).grad.float(), module.down_proj.grad.float()
 
     eager = run(module)
-    compiled = torch.compile(module, backend=backend, dynamic=False, **({"mode": mode} if backend == "inductor" else {}))
+    options = {"mode": mode} if backend == "inductor" else {}
+    compiled = torch.compile(module, backend=backend, dynamic=False, **options)
     run(compiled)
     got = run(compiled)
     return {n: (float((a - b).abs().max() / b.abs().max().clamp(min=1e-30)), float(a.abs().max()), float(b.abs().max()))
@@ -176,7 +177,8 @@ def main() -> None:
     fields = ("rows", "pos", "counts", "tile_expert", "row_expert", "starts", "ends")
     compiled_layout = torch.compile(lambda i: tuple(getattr(group_layout(i, e, 16), f) for f in fields),
                                     dynamic=False)(seen["index"])
-    print("layout compiled == eager:", {f: bool(torch.equal(getattr(layout, f), c)) for f, c in zip(fields, compiled_layout)})
+    print("layout compiled == eager:",
+          {f: bool(torch.equal(getattr(layout, f), c)) for f, c in zip(fields, compiled_layout)})
     for spec in args.modes.split(","):
         backend, mode = spec.split(":")
         torch._dynamo.reset()

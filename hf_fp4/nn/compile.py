@@ -10,8 +10,8 @@ launched depends on the mode:
 
 `compile_model` sets that per layer (FP4Linear.cuda_graphs); numerics are identical either way.  A model whose
 blocks read the host (the per-expert loop of FP4 experts, FP4 attention on the reference backend or with
-stochastic rounding: `graph_safe`) keeps the opaque custom ops too.  FP4 attention is itself an opaque custom op (hf_fp4.nn.attention):
-no graph break.
+stochastic rounding: `graph_safe`) keeps the opaque custom ops too.  FP4 attention is itself an opaque custom op
+(hf_fp4.nn.attention): no graph break.
 
 Blocks compile with static shapes (``dynamic=False``): a training run has one input shape, and a new shape
 compiles once more.  Under torch 2.11's automatic dynamic shapes (a frame seen again with another shape),
