@@ -778,3 +778,24 @@ def test_the_grouped_layer_never_reads_memory_it_did_not_write(arch, recipe, dev
     monkeypatch.undo()
     for name, a, b in zip(("y", "dx", "dW_up", "dW_down"), clean, dirty):
         assert b.isfinite().all() and torch.equal(a, b), name
+
+
+def test_the_experts_rng_state_follows_the_weights_before_the_first_step(monkeypatch):
+    """place_experts_state puts each FP4 experts layer's step counter, seed bases and sign vectors on its weights'
+    device eagerly (the trainer calls it after accelerate's prepare): a compiled first step then moves nothing
+    inside its graph.  The CPU has one real device: ExpertsFP4.place is seen moving all three to "meta", and
+    place_experts_state seen asking each layer for its weights' device."""
+    from hf_fp4.nn.experts import ExpertsFP4, place_experts_state
+
+    model = moe_model("qwen3_moe", "ufp4")  # ufp4: fixed Hadamard signs on all three GEMMs
+    modules = list(experts_modules(model).values())
+    asked = []
+    monkeypatch.setattr(ExpertsFP4, "place", lambda self, device: asked.append((self, torch.device(device))))
+    place_experts_state(model)
+    assert asked == [(m.hf_fp4, m.down_proj.device) for m in modules] and len(asked) == 2
+    monkeypatch.undo()
+    state = modules[0].hf_fp4
+    state.place("meta")
+    assert state.step.is_meta and state._bases.is_meta
+    assert [g for g, v in state._fixed_signs.items() if v is not None] and all(
+        v is None or v.is_meta for v in state._fixed_signs.values())

@@ -114,6 +114,14 @@ class ExpertsFP4:
     def sr_calls(self, value: int) -> None:
         self.step.fill_(int(value))
 
+    def place(self, device) -> None:
+        """The step counter, seed bases and fixed sign vectors on `device` (the forward does it on a call whose
+        input lies elsewhere; place_experts_state does it eagerly, before a compiled first call would)."""
+        if self.step.device != torch.device(device):
+            self.step = self.step.to(device)
+            self._bases = self._bases.to(device)
+            self.place_signs(device)
+
     def place_signs(self, device) -> None:
         """The fixed sign vectors on `device` (eagerly, whenever the step counter moves)."""
         self._fixed_signs = {g: _shared_tensor(s, device) if s is not None else None
@@ -148,9 +156,7 @@ def fp4_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Te
     """The "hf_fp4" experts implementation (the signature of Transformers' experts forwards)."""
     state: ExpertsFP4 = self.hf_fp4
     if state.step.device != hidden_states.device:
-        state.step = state.step.to(hidden_states.device)
-        state._bases = state._bases.to(hidden_states.device)
-        state.place_signs(hidden_states.device)
+        state.place(hidden_states.device)
     training = torch.is_grad_enabled()
     again = training and recomputing()  # activation checkpointing's recompute: the first run's step, not advanced
     step = step_value(state.step) - 1 if again else step_value(state.step)
@@ -242,6 +248,16 @@ def register() -> None:
     """Make "hf_fp4" a valid experts implementation (Transformers >= 5 with ExpertsInterface)."""
     from transformers.integrations.moe import ExpertsInterface
     ExpertsInterface.register(IMPLEMENTATION, fp4_experts_forward)
+
+
+def place_experts_state(model: torch.nn.Module) -> None:
+    """Every FP4 experts layer's RNG state (step counter, seed bases, sign vectors) on its weights' device, eagerly:
+    after the model is moved (the state is not a module's buffer, so .to() leaves it), before a compiled first step
+    would move it inside its graph (a graph break and a recompilation)."""
+    for m in experts_modules(model).values():
+        state = getattr(m, "hf_fp4", None)
+        if isinstance(state, ExpertsFP4) and m.down_proj.device.type != "meta":
+            state.place(m.down_proj.device)
 
 
 def experts_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
