@@ -564,16 +564,23 @@ def test_grouped_experts_at_the_studys_size_equal_the_loop_with_fp32_master_weig
     grad_out = torch.randn(tokens, hidden, device="cuda", generator=g)
 
     def run(grouped):
-        module.zero_grad(set_to_none=True)
         module.hf_fp4.backend, module.hf_fp4.grouped = "triton", grouped
-        module.hf_fp4.step.zero_()  # the same step: dy's SR draws are seeded by it
-        xx = x.clone().requires_grad_()
-        assert (module.hf_fp4.grouped_reason(module, xx) is None) == grouped
-        y = module(xx, index, weights.to(torch.bfloat16))
-        (y.float() * grad_out).sum().backward()
-        return y.float(), xx.grad.float(), module.gate_up_proj.grad.float(), module.down_proj.grad.float()
+        assert (module.hf_fp4.grouped_reason(module, x) is None) == grouped
+        return experts_step(module, module, x, index, weights, grad_out)
 
     assert_grouped_equals_loop(run(True), run(False), recipe)
+
+
+def experts_step(module, fn, x, index, weights, grad_out):
+    """One training call of an experts module through fn (the module, or it compiled) at step 0 (dy's SR draws
+    are seeded by the step): (y, dx, dW_up, dW_down) in FP32."""
+    module.zero_grad(set_to_none=True)
+    module.hf_fp4.step.zero_()
+    torch.compiler.cudagraph_mark_step_begin()
+    xx = x.clone().requires_grad_()
+    y = fn(xx, index, weights.to(torch.bfloat16))
+    (y.float() * grad_out).sum().backward()
+    return y.float(), xx.grad.float(), module.gate_up_proj.grad.float(), module.down_proj.grad.float()
 
 
 @pytest.mark.gpu
@@ -703,19 +710,10 @@ def test_a_compiled_experts_layer_equals_eager_with_empty_experts(recipe, empty,
     x = torch.randn(8192, cfg.hidden_size, device="cuda", generator=g).to(torch.bfloat16)
     grad_out = torch.randn(8192, cfg.hidden_size, device="cuda", generator=g)
 
-    def step(fn):
-        module.zero_grad(set_to_none=True)
-        module.hf_fp4.step.zero_()
-        torch.compiler.cudagraph_mark_step_begin()
-        xx = x.clone().requires_grad_()
-        y = fn(xx, index, weights.to(torch.bfloat16))
-        (y.float() * grad_out).sum().backward()
-        return y.float(), xx.grad.float(), module.gate_up_proj.grad.float(), module.down_proj.grad.float()
-
-    eager = step(module)
+    eager = experts_step(module, module, x, index, weights, grad_out)
     compiled = torch.compile(module, mode=mode, dynamic=False)
-    step(compiled)  # CUDA graphs record on a later call than the first
-    got = step(compiled)
+    experts_step(module, compiled, x, index, weights, grad_out)  # CUDA graphs record on a later call than the first
+    got = experts_step(module, compiled, x, index, weights, grad_out)
     for name, a, b in zip(("y", "dx", "dW_up", "dW_down"), got, eager):
         scale = b.abs().max()
         assert a.isfinite().all() and scale > 0, name

@@ -62,11 +62,10 @@ def compile_hazard(model: nn.Module) -> str | None:
     norm explodes at step 5 while eager trains as bf16 does (issue 16; benchmarks/study-moe-probe, H100,
     2026-12-06; the cause is not yet found).  The trainer's compile: auto runs such a model eagerly."""
     from ..numerics.scales import ScaleRule
-    from .experts import experts_modules
+    from .experts import experts_states
 
-    for name, m in experts_modules(model).items():
-        state = getattr(m, "hf_fp4", None)
-        if state is not None and any(s.scale is ScaleRule.UE4M3_FP32 for s in state.recipe.operand_specs()):
+    for name, state in experts_states(model).items():
+        if any(s.scale is ScaleRule.UE4M3_FP32 for s in state.recipe.operand_specs()):
             return (f"{name}'s FP4 experts use two-level (NVFP4 / UFP4) scales, whose training diverges under "
                     "torch.compile (issue 16, benchmarks/study-moe-probe)")
     return None

@@ -155,8 +155,7 @@ def fp4_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Te
                         top_k_weights: torch.Tensor) -> torch.Tensor:
     """The "hf_fp4" experts implementation (the signature of Transformers' experts forwards)."""
     state: ExpertsFP4 = self.hf_fp4
-    if state.step.device != hidden_states.device:
-        state.place(hidden_states.device)
+    state.place(hidden_states.device)  # a no-op once there
     training = torch.is_grad_enabled()
     again = training and recomputing()  # activation checkpointing's recompute: the first run's step, not advanced
     step = step_value(state.step) - 1 if again else step_value(state.step)
