@@ -3,7 +3,7 @@
 # everything side by side, logs under $OUT.  Carry [".carry"] (hf_fp4's wheel and the corpus cache, as for
 # scripts/device_study.sh); back here unpack study.tgz with device_study.sh unpack ... configs/study/moe-probe.yaml.
 #   bash scripts/device_probe_moe.sh
-#   1. the probe runs aot_eager / no SR / no Hadamard (compiled) and no SR (eager), 40 steps each, detached;
+#   1. the probe runs inductor (with the experts state placed eagerly since session 24) / aot_eager / no SR / no Hadamard (compiled) and no SR (eager), 40 steps each, detached;
 #   2. scripts/probe_moe_compile.py: step 5 replayed eagerly and compiled on the same weights and batch;
 #   3. the GPU tests of the routing layout and one experts layer compiled vs eager, and of unwritten-memory reads;
 #   4. compute-sanitizer's initcheck on the study-size grouped layer (reads of uninitialised device memory).
@@ -11,8 +11,8 @@ set -uo pipefail
 OUT=${OUT:-/tmp/out}
 export STUDY_ROOT=${STUDY_ROOT:-/root/hf_fp4_probe} PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
-STUDY=configs/study/moe-probe.yaml PARALLEL=4 WAIT=1 \
-  ONLY=${ONLY:-nvfp4-aot-eager,nvfp4-nosr-inductor,nvfp4-noh-inductor,nvfp4-nosr-eager} \
+STUDY=configs/study/moe-probe.yaml PARALLEL=5 WAIT=1 \
+  ONLY=${ONLY:-nvfp4-inductor-placed,nvfp4-aot-eager,nvfp4-nosr-inductor,nvfp4-noh-inductor,nvfp4-nosr-eager} \
   bash scripts/device_study.sh start > "$OUT/study-start.log" 2>&1
 export PYTHONPATH=$STUDY_ROOT/site HF_FP4_CACHE=$STUDY_ROOT/cache
 timeout "${PROBE_TIMEOUT:-420}" python3 -P scripts/probe_moe_compile.py configs/study/moe-probe.yaml nvfp4 --step 5 \
