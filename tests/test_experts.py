@@ -697,8 +697,11 @@ def test_a_compiled_experts_layer_equals_eager_with_empty_experts(recipe, empty,
     backward compiled by inductor (with CUDA graphs in reduce-overhead) against eager at the same step, for
     routings that leave experts empty (a collapsing router; the diverged study runs exploded in the experts'
     gradients once training had begun): the same kernels on the same operands, so outputs and gradients agree up
-    to the FP4 roundings that inductor's FP32 SiLU flips -- not the orders of magnitude of a wrong scale."""
+    to the FP4 roundings that inductor's fused FP32 SiLU-and-product would flip -- emulate_precision_casts rounds
+    its intermediates to BF16 as eager does -- not the orders of magnitude of a wrong scale (session 25: a
+    searchsorted that inductor lowered wrongly gave NVFP4 y errors of 2e5 x max|y| with empty experts)."""
     import torch._dynamo
+    import torch._inductor.config
 
     torch._dynamo.reset()
     torch.manual_seed(0)
@@ -712,8 +715,9 @@ def test_a_compiled_experts_layer_equals_eager_with_empty_experts(recipe, empty,
 
     eager = experts_step(module, module, x, index, weights, grad_out)
     compiled = torch.compile(module, mode=mode, dynamic=False)
-    experts_step(module, compiled, x, index, weights, grad_out)  # CUDA graphs record on a later call than the first
-    got = experts_step(module, compiled, x, index, weights, grad_out)
+    with torch._inductor.config.patch(emulate_precision_casts=True):
+        experts_step(module, compiled, x, index, weights, grad_out)  # CUDA graphs record on a later call
+        got = experts_step(module, compiled, x, index, weights, grad_out)
     for name, a, b in zip(("y", "dx", "dW_up", "dW_down"), got, eager):
         scale = b.abs().max()
         assert a.isfinite().all() and scale > 0, name
@@ -722,36 +726,9 @@ def test_a_compiled_experts_layer_equals_eager_with_empty_experts(recipe, empty,
     torch._dynamo.reset()
 
 
-def test_compile_auto_trains_two_level_fp4_experts_eagerly_and_says_why():
-    """Until the compiled NVFP4 / UFP4 experts' divergence is fixed (benchmarks/study-moe-probe: eager trains as
-    bf16, compiled explodes at step 5), compile_hazard names such a model, the trainer's compile: auto trains it
-    eagerly saying why, compile: true compiles with a warning, compile_model warns; MX-family experts and dense
-    models compile as before."""
-    from tiny import tiny_config
-
-    from hf_fp4.nn.compile import compile_hazard, compile_model, should_compile
-
-    for arch, recipe in (("mixtral", "nvfp4"), ("qwen3_moe", "ufp4"), ("olmoe", "nvfp4")):
-        assert "two-level" in compile_hazard(moe_model(arch, recipe)), (arch, recipe)
-    assert compile_hazard(moe_model("mixtral", "mxfp4")) is None
-    assert compile_hazard(moe_model("qwen3_moe", "bf16")) is None
-    assert compile_hazard(AutoModelForCausalLM.from_config(tiny_config(), quantization_config=FP4TrainConfig(
-        "nvfp4"))) is None
-    hazard = "layers.0.mlp.experts: two-level"
-    assert should_compile("auto", True, None) == (True, None)
-    compiled, why = should_compile("auto", True, hazard)
-    assert not compiled and hazard in why and "eagerly" in why
-    compiled, why = should_compile(True, True, hazard)
-    assert compiled and why.startswith("warning") and hazard in why
-    assert should_compile(True, False, None) == (True, None)
-    assert should_compile("auto", False, hazard) == (False, None)  # the CPU trains eagerly anyway
-    assert should_compile(False, True, hazard) == (False, None)
-    with pytest.warns(UserWarning, match="two-level"):
-        compile_model(moe_model("mixtral", "nvfp4"), backend="aot_eager")
-
-
-@pytest.mark.parametrize("arch,recipe,dev", [("qwen3_moe", "nvfp4", d) for d in GROUPED_DEVICES] + [
-    pytest.param(arch, recipe, "cuda", marks=pytest.mark.gpu) for arch, recipe in (("mixtral", "ufp4"),
+@pytest.mark.parametrize("arch,recipe,dev", [("qwen3_moe", "nvfp4", "cpu")] * INTERPRETED + [
+    pytest.param(arch, recipe, "cuda", marks=pytest.mark.gpu) for arch, recipe in (("qwen3_moe", "nvfp4"),
+                                                                                   ("mixtral", "ufp4"),
                                                                                    ("olmoe", "mxfp4"))
     if torch.cuda.is_available()])
 def test_the_grouped_layer_never_reads_memory_it_did_not_write(arch, recipe, dev, monkeypatch):

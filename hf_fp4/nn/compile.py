@@ -22,7 +22,6 @@ then a model with FP4 attention (tests/test_attention.py).
 """
 from __future__ import annotations
 
-import warnings
 
 import torch
 from torch import nn
@@ -56,32 +55,6 @@ def graph_safe(model: nn.Module | None) -> bool:
     return True
 
 
-def compile_hazard(model: nn.Module) -> str | None:
-    """A known fault of this model under torch.compile, or None.  FP4 experts with two-level scales (NVFP4, UFP4):
-    compiled (inductor, with or without CUDA graphs, opaque or traced kernels alike) the small MoE study's gradient
-    norm explodes at step 5 while eager trains as bf16 does (issue 16; benchmarks/study-moe-probe, H100,
-    2026-12-06; the cause is not yet found).  The trainer's compile: auto runs such a model eagerly."""
-    from ..numerics.scales import ScaleRule
-    from .experts import experts_states
-
-    for name, state in experts_states(model).items():
-        if any(s.scale is ScaleRule.UE4M3_FP32 for s in state.recipe.operand_specs()):
-            return (f"{name}'s FP4 experts use two-level (NVFP4 / UFP4) scales, whose training diverges under "
-                    "torch.compile (issue 16, benchmarks/study-moe-probe)")
-    return None
-
-
-def should_compile(setting, cuda: bool, hazard: str | None) -> tuple[bool, str | None]:
-    """The trainer's decision for its `compile` setting (auto | true | false) and what to tell the user: auto
-    compiles on a GPU unless compile_hazard names a fault (then eager, saying why); true compiles, warning of one."""
-    if setting is True:
-        return True, f"warning: compile: true although {hazard}; compile: false (or auto) trains eagerly" if hazard \
-            else None
-    if setting == "auto" and cuda:
-        return (False, f"compile: auto trains eagerly: {hazard}") if hazard else (True, None)
-    return False, None
-
-
 def resolve_mode(mode: str, backend: str = "inductor", model: nn.Module | None = None) -> str:
     """"auto": CUDA graphs (reduce-overhead) where there is a GPU, inductor compiles and the model allows it
     (graph_safe), else "default"."""
@@ -108,8 +81,6 @@ def compile_model(model: nn.Module, mode: str = "auto", backend: str = "inductor
     compiled whole.  Under a CUDA-graph mode call `torch.compiler.cudagraph_mark_step_begin()` before each
     training or evaluation forward (the trainer does).
     """
-    if hazard := compile_hazard(model):
-        warnings.warn(f"compile_model: {hazard}; train it eagerly until that is fixed", stacklevel=2)
     graphs = uses_cuda_graphs(mode, backend, model)
     mode = resolve_mode(mode, backend, model)
     opaque = graphs or not graph_safe(model)  # see the module docstring

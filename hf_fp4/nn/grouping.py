@@ -262,7 +262,11 @@ def group_layout(top_k_index: torch.Tensor, num_experts: int, align: int) -> Gro
     dest = torch.where(sorted_key < num_experts, offsets[e] + j - starts[e], n_rows)
     rows = torch.full((n_rows + 1,), -1, dtype=torch.long, device=dev).scatter_(0, dest, order)[:n_rows]
     tile_start = torch.arange(0, n_rows, align, device=dev)
-    tile_expert = torch.searchsorted(offsets[1:], tile_start, right=True)
+    # the experts whose segments end at or before each tile's start (searchsorted(offsets[1:], ., right=True)) by a
+    # comparison and a sum: inductor's CUDA lowering of that searchsorted gave every tile the next expert, as if it
+    # searched offsets instead of the slice offsets[1:] (torch 2.11, session 25: the diverged compiled NVFP4 / UFP4
+    # MoE runs of benchmarks/study-moe-probe, each tile's rows quantized with another expert's tensor scale)
+    tile_expert = (offsets[None, 1:] <= tile_start[:, None]).sum(1)
     tile_expert = torch.where(tile_expert < num_experts, tile_expert, -1)
     bounds = offsets.to(torch.int32)
     row_expert = tile_expert.clamp(min=0).to(torch.int32).repeat_interleave(align)

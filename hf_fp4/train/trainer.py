@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import yaml
 
-from ..nn.compile import CUDA_GRAPH_MODES, compile_hazard, compile_model, should_compile, uses_cuda_graphs
+from ..nn.compile import CUDA_GRAPH_MODES, compile_model, uses_cuda_graphs
 from ..nn import lora_svd
 from ..nn.fp4_gather import precompute_fp4_amax
 from ..nn.swap import (enable_fp4_all_gather, fp4_modules, load_rng_state_dict, rng_state_dict, run_gemms_in_bf16,
@@ -364,9 +364,7 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> di
         set_fp8_gemms(model, cfg.fp8_gemms)
     if cfg.fp4_all_gather:
         enable_fp4_gather(accelerator, model)
-    compiled, why = should_compile(cfg.compile, torch.cuda.is_available(), compile_hazard(model))
-    if why:
-        accelerator.print(f"hf_fp4: {why}")
+    compiled = cfg.compile is True or (cfg.compile == "auto" and torch.cuda.is_available())
     mode = compile_mode(cfg.compile_mode, accelerator.distributed_type.value)
     if compiled:
         compile_model(model, mode, cfg.compile_backend)
