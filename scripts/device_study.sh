@@ -59,7 +59,9 @@ STUDY_PROCESS="^python3 -P -m hf_fp4 study"
 if [ "$what" = prep ] || [ "$what" = start ]; then
   STUDY=${STUDY:?STUDY=configs/study/<name>.yaml}
   name=$(python3 -c "import yaml,sys; print(yaml.safe_load(open('$STUDY'))['name'])")
-  mkdir -p "$HF_FP4_CACHE" "$ROOT/study"
+  # each study in a folder of its own: two studies on one machine share run names (nvfp4-s0), and session 25's
+  # second study there unpacked the first one's logs as its own
+  mkdir -p "$HF_FP4_CACHE" "$ROOT/study-$name"
   if [ ! -f "$ROOT/installed" ]; then
     tar xJf .carry/hf_fp4-cache.tar.xz -C "$HF_FP4_CACHE"
     python3 -m pip install -q --no-index --no-deps --target "$ROOT/site" .carry/hf_fp4-*.whl
@@ -68,11 +70,11 @@ if [ "$what" = prep ] || [ "$what" = start ]; then
   cp -r configs "$ROOT/"
   # the finished runs (skipped there), not the logs: the logs that come back are this machine's alone, so that
   # unpack never filters a committed log twice (session 19 lost the progress lines of four that way)
-  [ -d "benchmarks/study-$name/runs" ] && mkdir -p "$ROOT/study" && cp -r "benchmarks/study-$name/runs" "$ROOT/study/"
+  [ -d "benchmarks/study-$name/runs" ] && cp -r "benchmarks/study-$name/runs" "$ROOT/study-$name/"
   echo "$name" > "$ROOT/name"
 fi
 if [ "$what" = prep ]; then  # the corpus on the CPUs (niced) while a benchmark has the GPU; start waits for it
-  (cd "$ROOT" && setsid nohup nice -n 10 python3 -P -m hf_fp4 study "$STUDY" --out "$ROOT/study" --prepare-only \
+  (cd "$ROOT" && setsid nohup nice -n 10 python3 -P -m hf_fp4 study "$STUDY" --out "$ROOT/study-$name" --prepare-only \
      ${ONLY:+--only "$ONLY"} > "$ROOT/prep.log" 2>&1 < /dev/null &)
   exit 0
 fi
@@ -80,12 +82,12 @@ if [ "$what" = start ]; then
   while pgrep -f "$STUDY_PROCESS .*--prepare-only" > /dev/null; do sleep 5; done
   [ -f "$ROOT/prep.log" ] && tail -3 "$ROOT/prep.log"
   date -u +"%F %T start" > "$ROOT/study.log"
-  (cd "$ROOT" && setsid nohup python3 -P -m hf_fp4 study "$STUDY" --out "$ROOT/study" --parallel "${PARALLEL:-1}" ${ONLY:+--only "$ONLY"} \
+  (cd "$ROOT" && setsid nohup python3 -P -m hf_fp4 study "$STUDY" --out "$ROOT/study-$name" --parallel "${PARALLEL:-1}" ${ONLY:+--only "$ONLY"} \
      >> "$ROOT/study.log" 2>&1 < /dev/null &)
 fi
 deadline=$((SECONDS + ${WAIT:-540}))
 while [ $SECONDS -lt $deadline ] && pgrep -f "$STUDY_PROCESS" > /dev/null; do sleep 10; done
-cd "$ROOT/study" 2>/dev/null && tar czf "$OUT/study.tgz" --ignore-failed-read \
+cd "$ROOT/study-$(cat "$ROOT/name" 2>/dev/null)" 2>/dev/null && tar czf "$OUT/study.tgz" --ignore-failed-read \
   $(ls -d runs/*/metrics.jsonl runs/*/run_info.json runs/*/result.json runs/*/train_config.yaml logs 2>/dev/null)
 cp "$ROOT/study.log" "$OUT/" 2>/dev/null
 nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader > "$OUT/gpu.txt"
