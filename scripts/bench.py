@@ -677,16 +677,18 @@ def moe_names(impls: str | None, loop: bool = True) -> list[str]:
     return names + (["emulation_compiled"] if listed is None or "emulation_compiled" in listed else [])
 
 
-def bench_moe(dev, quick, results, fp4_names):
+def bench_moe(dev, quick, results, fp4_names, save=lambda: None):
     """One MoE experts layer (issue 16) forward + backward: Transformers' bf16 implementations (grouped_mm,
-    eager) against hf_fp4's FP4 experts, same routing."""
+    eager) against hf_fp4's FP4 experts, same routing; save() after each impl (a device-side assert, which ends the
+    process, keeps the rows measured before it: session 23 lost a whole part that way)."""
     # hf_fp4:<preset> takes the grouped GEMMs (hf_fp4.nn.grouped: operands per expert group; BF16 grouped GEMMs --
     # torch._grouped_mm for the MX family, hf_fp4's with per-expert tensor scales for NVFP4 / UFP4); "+fp8gemm" runs
     # the MX family's on hf_fp4's FP8 grouped GEMMs (+bf16gemm: the default, named); ":loop" the per-expert loop
     # (~0.3 s a step on the H200 and its kernels' compiles: session 20's part, three presets each with its loop,
     # ran past 80 s without a row)
     names = ["bf16:grouped_mm", "bf16:eager"] + fp4_names
-    runs, failed = [], []
+    runs, failed = results.setdefault("moe", []), []
+    first = len(runs)
     for name, step, shape in moe_steps(dev, quick, names):
         try:
             ms = timed(step, [()], warmup=2, reps=5)
@@ -699,8 +701,8 @@ def bench_moe(dev, quick, results, fp4_names):
             continue
         runs.append({"shape": shape, "impl": name, "ms": round(ms, 4),
                      "ms_captured": None if captured is None else round(captured, 4)})
-    results.setdefault("moe", []).extend(runs)
-    return moe_table(runs, failed, shape)
+        save()
+    return moe_table(runs[first:], failed, shape)
 
 
 def moe_table(runs, failed=(), shape=None) -> str:
@@ -887,7 +889,8 @@ def main():
         text.append(bench_optim(dev, args.quick, results))
         write(results, stem, "\n".join(text))
     if "moe" in parts:
-        text.append(bench_moe(dev, args.quick, results, moe_names(args.impls, not args.no_moe_loop)))
+        text.append(bench_moe(dev, args.quick, results, moe_names(args.impls, not args.no_moe_loop),
+                              lambda: write(results, stem, render(results))))
     write(results, stem, "\n".join(text))
 
 

@@ -136,3 +136,24 @@ def test_the_moe_emulation_peer_computes_each_experts_three_gemms():
         torch.testing.assert_close(w.grad[i].float(), (dytq[:, seg] @ xtq[:, seg].t()).bfloat16().float(),
                                    rtol=2 ** -7, atol=1e-3)
         start += c
+
+
+def test_the_moe_part_saves_each_row_before_the_next_impl_runs(monkeypatch):
+    """A device-side assert ends bench.py's process without an exception it could catch: the MoE part hands its
+    results to save() after every impl, so the rows measured before a crash are on disk (session 23 lost a whole
+    part).  Here the second impl's step ends the process (SystemExit, which `except Exception` lets through)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench
+
+    def steps(dev, quick, names):
+        yield "bf16:grouped_mm", lambda: None, "E4"
+        yield "hf_fp4:nvfp4", lambda: sys.exit(134), "E4"
+
+    monkeypatch.setattr(bench, "moe_steps", steps)
+    monkeypatch.setattr(bench, "timed", lambda step, inputs, **kw: (step(), 2.0)[1])
+    monkeypatch.setattr(bench, "captured_ms", lambda step, args: 1.0)
+    saved = []
+    results = {}
+    with pytest.raises(SystemExit):
+        bench.bench_moe("cpu", True, results, ["hf_fp4:nvfp4"], lambda: saved.append(json.dumps(results)))
+    assert [[r["impl"] for r in json.loads(s)["moe"]] for s in saved] == [["bf16:grouped_mm"]]
