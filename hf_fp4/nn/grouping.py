@@ -263,9 +263,9 @@ def group_layout(top_k_index: torch.Tensor, num_experts: int, align: int) -> Gro
     rows = torch.full((n_rows + 1,), -1, dtype=torch.long, device=dev).scatter_(0, dest, order)[:n_rows]
     tile_start = torch.arange(0, n_rows, align, device=dev)
     # the experts whose segments end at or before each tile's start (searchsorted(offsets[1:], ., right=True)) by a
-    # comparison and a sum: inductor's CUDA lowering of that searchsorted gave every tile the next expert, as if it
-    # searched offsets instead of the slice offsets[1:] (torch 2.11, session 25: the diverged compiled NVFP4 / UFP4
-    # MoE runs of benchmarks/study-moe-probe, each tile's rows quantized with another expert's tensor scale)
+    # comparison and a sum: inductor's CUDA lowering of that searchsorted ignored the slice's storage offset and
+    # searched offsets itself, giving tiles the next expert (pytorch/pytorch#182343, torch 2.11 on the GPU machine;
+    # session 25: the diverged compiled NVFP4 / UFP4 MoE runs, each tile quantized with another expert's tensor scale)
     tile_expert = (offsets[None, 1:] <= tile_start[:, None]).sum(1)
     tile_expert = torch.where(tile_expert < num_experts, tile_expert, -1)
     bounds = offsets.to(torch.int32)
