@@ -3,10 +3,13 @@
 # everything side by side, logs under $OUT.  Carry [".carry"] (hf_fp4's wheel and the corpus cache, as for
 # scripts/device_study.sh); back here unpack study.tgz with device_study.sh unpack ... configs/study/moe-probe.yaml.
 #   bash scripts/device_probe_moe.sh
-#   1. the probe runs inductor (with the experts state placed eagerly since session 24) / aot_eager / no SR / no Hadamard (compiled) and no SR (eager), 40 steps each, detached;
+#   1. the probe runs inductor (with the experts state placed eagerly since session 24) / aot_eager / no SR /
+#      no Hadamard (compiled) and no SR (eager), 40 steps each, detached;
 #   2. scripts/probe_moe_compile.py: step 5 replayed eagerly and compiled on the same weights and batch;
 #   3. the GPU tests of the routing layout and one experts layer compiled vs eager, and of unwritten-memory reads;
 #   4. compute-sanitizer's initcheck on the study-size grouped layer (reads of uninitialised device memory).
+# Ran in session 25 (H100): step 2 found the cause, inductor's searchsorted on a slice (pytorch/pytorch#182343),
+# fixed in hf_fp4/nn/grouping.py; kept as the record of that call (its runs are finished, so a rerun skips them).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 export STUDY_ROOT=${STUDY_ROOT:-/root/hf_fp4_probe} PYTHONUNBUFFERED=1
