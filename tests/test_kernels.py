@@ -424,6 +424,30 @@ def test_bf16_gemm_matches_float64_of_the_quantized_operands(pair, out_dtype):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("m,n,k", [(37, 384, 512), (2048, 768, 384), (4096, 1536, 512)], ids=str)
+def test_the_bf16_gemm_writes_every_output_element_on_gpu(m, n, k):
+    """compute-sanitizer's initcheck (session 25) reported reads of unwritten memory where the BF16-form GEMM's
+    epilogue (kernels/gemm.py: scale_output) reads torch.mm's FP32 output, in the per-expert loop at the MoE study's
+    sizes.  Here the caching allocator holds NaN-filled blocks of the output's sizes when the GEMM runs: an element
+    that torch.mm or the epilogue left unwritten would come out NaN (or whatever was there) instead of the product."""
+    from hf_fp4.kernels.operand import triton_operands
+
+    a, b = _spread_case(m, n, k, seed=3)
+    plan = plan_for(QuantSpec.preset("nvfp4"), "bf16", 0, False)
+    seeds = torch.tensor([1, 2], device=DEV)
+    (oa, _), (ob, _) = triton_operands(a, (plan, None), seeds), triton_operands(b, (plan, None), seeds)
+    for _ in range(3):
+        poison = [torch.full((m, n), float("nan"), device=DEV, dtype=dtype) for dtype in (torch.float32,
+                                                                                      torch.bfloat16) * 8]
+        del poison
+        out = gemm(oa, ob, (plan, plan), m, n, torch.bfloat16)
+        assert out.isfinite().all()
+        assert_within_accumulation_error(out, reference_operand(a, plan, 0, None).data,
+                                         reference_operand(b, plan, 0, None).data, f"{m}x{n}x{k}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("spec,form,h", [c for c in operand_cases() if c[2] in (0, 16)], ids=str)
 def test_operand_kernel_matches_reference_at_large_sizes_on_gpu(spec, form, h):
     t = wide(4096 + 16, 2048 + 32, seed=12, dtype=torch.bfloat16)
