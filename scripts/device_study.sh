@@ -87,7 +87,8 @@ if [ "$what" = start ]; then
 fi
 deadline=$((SECONDS + ${WAIT:-540}))
 while [ $SECONDS -lt $deadline ] && pgrep -f "$STUDY_PROCESS" > /dev/null; do sleep 10; done
-cd "$ROOT/study-$(cat "$ROOT/name" 2>/dev/null)" 2>/dev/null && tar czf "$OUT/study.tgz" --ignore-failed-read \
+# the study of the last start or prep on this machine, or NAME=<study name> (two studies under one STUDY_ROOT)
+cd "$ROOT/study-${NAME:-$(cat "$ROOT/name" 2>/dev/null)}" 2>/dev/null && tar czf "$OUT/study.tgz" --ignore-failed-read \
   $(ls -d runs/*/metrics.jsonl runs/*/run_info.json runs/*/result.json runs/*/train_config.yaml logs 2>/dev/null)
 cp "$ROOT/study.log" "$OUT/" 2>/dev/null
 nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader > "$OUT/gpu.txt"

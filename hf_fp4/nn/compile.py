@@ -22,7 +22,6 @@ then a model with FP4 attention (tests/test_attention.py).
 """
 from __future__ import annotations
 
-
 import torch
 from torch import nn
 
