@@ -25,7 +25,7 @@ from hf_fp4.nn.experts import experts_modules, place_experts_state
 from hf_fp4.nn.grouping import group_layout
 from hf_fp4.nn.swap import load_rng_state_dict, rng_state_dict
 from hf_fp4.train import trainer
-from hf_fp4.train.config import TrainConfig, parse_override
+from hf_fp4.train.config import TrainConfig, apply_overrides
 from hf_fp4.train.study import load_study
 
 MODES = [("inductor", "default"), ("aot_eager", "default"), ("inductor", "reduce-overhead")]
@@ -136,13 +136,7 @@ def main() -> None:
     config = copy.deepcopy(run.config)
     config.update(compile=False, max_steps=args.step, output_dir=str(out / "run"), trackers=[], log_top_grads=0,
                   checkpoint_every=10 ** 6, eval_every=10 ** 6)
-    for text in args.set:
-        keys, value = parse_override(text)
-        target = config
-        for k in keys[:-1]:
-            target = target.setdefault(k, {})
-        target[keys[-1]] = value
-    cfg = TrainConfig.from_dict(config)
+    cfg = TrainConfig.from_dict(apply_overrides(config, args.set))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     captured = capture_step(cfg, args.step)
     tokens = captured["tokens"].to(device)

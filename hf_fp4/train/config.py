@@ -212,6 +212,11 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConf
         data = yaml.safe_load(Path(path).read_text()) or {}
         if not isinstance(data, dict):
             raise ValueError(f"{path}: the config must be a mapping")
+    return TrainConfig.from_dict(apply_overrides(data, overrides))
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """data with each dotted `key=value` override set in place (values parsed as YAML); returns data."""
     for text in overrides:
         keys, value = parse_override(text)
         target = data
@@ -220,4 +225,4 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConf
             if not isinstance(target, dict):
                 raise ValueError(f"override {text!r}: {k} is not a mapping")
         target[keys[-1]] = value
-    return TrainConfig.from_dict(data)
+    return data
