@@ -436,14 +436,14 @@ def test_the_bf16_gemm_writes_every_output_element_on_gpu(m, n, k):
     plan = plan_for(QuantSpec.preset("nvfp4"), "bf16", 0, False)
     seeds = torch.tensor([1, 2], device=DEV)
     (oa, _), (ob, _) = triton_operands(a, (plan, None), seeds), triton_operands(b, (plan, None), seeds)
+    qa, qb = reference_operand(a, plan, 0, None).data, reference_operand(b, plan, 0, None).data
     for _ in range(3):
         poison = [torch.full((m, n), float("nan"), device=DEV, dtype=dtype) for dtype in (torch.float32,
                                                                                       torch.bfloat16) * 8]
         del poison
         out = gemm(oa, ob, (plan, plan), m, n, torch.bfloat16)
         assert out.isfinite().all()
-        assert_within_accumulation_error(out, reference_operand(a, plan, 0, None).data,
-                                         reference_operand(b, plan, 0, None).data, f"{m}x{n}x{k}")
+        assert_within_accumulation_error(out, qa, qb, f"{m}x{n}x{k}")
 
 
 @pytest.mark.gpu
