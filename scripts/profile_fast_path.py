@@ -108,6 +108,8 @@ def main():
     p.add_argument("--code-dir", default=None, help="--copies: write each impl's generated code here")
     p.add_argument("--gemm", action="store_true",
                    help="FP8 GEMM time by scale granularity (tensor, row, 1x128 block) against BF16, per GEMM shape")
+    p.add_argument("--bf16-gemm", action="store_true",
+                   help="the BF16-form GEMM: torch.mm + epilogue against the fused Triton kernel per tile")
     p.add_argument("--triton-gemm", action="store_true", help="a Triton 1x128 FP8 GEMM: exactness and time")
     p.add_argument("--fp8-accuracy", action="store_true",
                    help="FP8 GEMM error against the FP32 accumulation bound, by contraction length")
@@ -132,6 +134,7 @@ def main():
              (args.moe_tiles, lambda: moe_tiles(dev, args.moe_tiles.split(","))),
              (args.optim, lambda: profile_optim(dev, args.optim.split(","))),
              (args.gemm, lambda: gemm_granularity(dev)),
+             (args.bf16_gemm, lambda: bf16_gemm_tiles(dev)),
              (args.triton_gemm, lambda: triton_blockwise_probe(dev)),
              (args.fp8_accuracy, lambda: fp8_accuracy(dev)),
              (args.mutations, lambda: mutations(dev))]
@@ -523,6 +526,47 @@ def moe_tiles(dev: str, presets: list[str]) -> None:
                 print(f"| {name} | {attr} {tile} | {type(err).__name__}: {str(err)[:100]} |", flush=True)
             torch.cuda.empty_cache()
         grouped_gemm.TILE, grouped_gemm.FP8_TILE = default
+
+
+def bf16_gemm_tiles(dev: str, tokens: int = 8192) -> None:
+    """The BF16-form GEMM of each of the linear bench's nine GEMMs (fprop, dgrad, wgrad of 4096x4096, 4096x14336,
+    14336x4096 at 8192 tokens), captured (GPU time): torch.mm's BF16 output (the bf16 layer's GEMM: the floor),
+    torch.mm's FP32 output + scale_output (the epilogue pass), and the fused Triton kernel (kernels/src/bf16_gemm.py)
+    per tile -- with the count of output elements where the fused kernel differs from the epilogue path and the
+    largest difference in units of the BF16 output's magnitude."""
+    from hf_fp4.kernels import bf16_gemm
+    from hf_fp4.kernels.gemm import scale_output
+
+    tiles = [(128, 256, 64, 8, 3, 8, False), (128, 256, 64, 8, 4, 8, False), (128, 128, 64, 8, 4, 8, False),
+             (128, 128, 64, 4, 4, 8, False), (256, 128, 64, 8, 3, 8, False), (128, 256, 64, 8, 3, 8, True),
+             (128, 128, 64, 4, 4, 8, True), (128, 128, 128, 8, 3, 8, False)]
+    sa, sb = torch.tensor([0.37], device=dev), torch.tensor([1.7e-3], device=dev)
+    totals: dict = {}
+    print("| GEMM (M, N, K) | bf16 mm | mm fp32 + epilogue | " + " | ".join(map(str, tiles)) + " |")
+    for k, n in ((4096, 4096), (4096, 14336), (14336, 4096)):
+        for label, (mm, nn_, kk) in (("fprop", (tokens, n, k)), ("dgrad", (tokens, k, n)), ("wgrad", (n, k, tokens))):
+            a = torch.randn(mm, kk, device=dev, dtype=torch.bfloat16)
+            b = torch.randn(nn_, kk, device=dev, dtype=torch.bfloat16)
+            ref = scale_output(torch.mm(a, b.t(), out_dtype=torch.float32), sa, sb, torch.bfloat16)
+            row = [graph_ms(lambda: torch.mm(a, b.t())),
+                   graph_ms(lambda: scale_output(torch.mm(a, b.t(), out_dtype=torch.float32), sa, sb, torch.bfloat16))]
+            cells = [f"{v:.3f}" for v in row]
+            for tile in tiles:
+                try:
+                    out = bf16_gemm.bf16_gemm(a, b, sa, sb, tile=tile)
+                    ms = graph_ms(lambda: bf16_gemm.bf16_gemm(a, b, sa, sb, tile=tile))
+                    diff = (out.float() - ref.float()).abs().max().item() / ref.float().abs().max().item()
+                    cells.append(f"{ms:.3f} ({(out != ref).sum().item()} diff, {diff:.1e})")
+                    row.append(ms)
+                except Exception as err:  # noqa: BLE001 - a tile the GPU cannot run (shared memory)
+                    cells.append(f"{type(err).__name__}")
+                    row.append(float("inf"))
+            for i, v in enumerate(row):
+                totals[i] = totals.get(i, 0.0) + v
+            print(f"| {label} {mm}x{nn_}x{kk} | " + " | ".join(cells) + " |", flush=True)
+            del a, b, ref
+            torch.cuda.empty_cache()
+    print("| total | " + " | ".join(f"{totals[i]:.3f}" for i in sorted(totals)) + " |")
 
 
 def profile_e2e(name: str, steps: int = 3, model_name: str = "llama-1.1b") -> None:

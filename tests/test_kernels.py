@@ -422,6 +422,49 @@ def test_bf16_gemm_matches_float64_of_the_quantized_operands(pair, out_dtype):
                                      reference_operand(b, pb, 0, None).data, str(pair))
 
 
+# (m, n, k, tile): tails in every dimension, several tiles per program (programs=2 below), one tile
+FUSED_CASES = [(70, 56, 48, (32, 32, 16, 4, 1, 4, False)), (200, 304, 136, (64, 64, 32, 4, 1, 2, False)),
+               (64, 64, 64, (64, 64, 64, 4, 1, 8, False))]
+
+
+@pytest.mark.parametrize("m,n,k,tile", FUSED_CASES, ids=str)
+def test_fused_bf16_gemm_rounds_the_scaled_accumulator_once(m, n, k, tile):
+    """kernels/src/bf16_gemm.py: BF16(acc * FP32(s_a * s_b)) with one rounding.  Small-integer operands times
+    powers of two make every FP32 sum exact whatever the order, so the output must equal torch's
+    (exact product * (s_a * s_b)).to(bf16) bit for bit, in every element of every (tail) tile."""
+    from hf_fp4.kernels.bf16_gemm import bf16_gemm
+
+    g = torch.Generator().manual_seed(m + n + k)
+    a = (torch.randint(-8, 9, (m, k), generator=g).float() * 2.0**-3).bfloat16().to(DEV)
+    b = (torch.randint(-8, 9, (n, k), generator=g).float() * 2.0**5).bfloat16().to(DEV)
+    sa, sb = torch.tensor([0.3712], device=DEV), torch.tensor([1.77e-3], device=DEV)
+    exact = (a.double() @ b.double().t()).float()  # every value and partial sum is an integer times 2^2
+    expected = (exact * (sa * sb)).to(torch.bfloat16)
+    got = bf16_gemm(a, b, sa, sb, tile=tile if DEV == "cpu" else None, programs=2)
+    assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+    assert torch.equal(got.view(torch.int16), expected.view(torch.int16))
+
+
+def test_fused_bf16_gemm_keeps_nan_in_its_row_and_refuses_what_it_cannot_take():
+    from hf_fp4.kernels.bf16_gemm import bf16_gemm, fits
+
+    g = torch.Generator().manual_seed(4)
+    a = torch.randn(40, 64, generator=g).bfloat16().to(DEV)
+    b = torch.randn(48, 64, generator=g).bfloat16().to(DEV)
+    a[3, 17] = float("nan")
+    one = torch.ones(1, device=DEV)
+    out = bf16_gemm(a, b, one, one, tile=(16, 16, 16, 4, 1, 2, False) if DEV == "cpu" else None)
+    assert out[3].isnan().all() and out[torch.arange(40) != 3].isfinite().all()
+    assert not fits(a, b[:44])            # an output row of 88 bytes: not whole 16 bytes
+    assert not fits(a, b.t().contiguous().t())  # b's columns not of unit stride
+    assert not fits(a.float(), b)
+    assert not fits(a[:, 1:], b[:, 1:])   # rows offset by 2 bytes
+    with pytest.raises(ValueError, match="16-byte"):
+        bf16_gemm(a, b[:44], one, one)
+    with pytest.raises(ValueError, match="widths differ"):
+        bf16_gemm(a, b[:, :32], one, one)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("m,n,k", [(37, 384, 512), (2048, 768, 384), (4096, 1536, 512)], ids=str)

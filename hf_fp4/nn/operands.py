@@ -259,6 +259,23 @@ def _(a_data, a_scale, a_side, a_eb, a_flags, b_data, b_scale, b_side, b_eb, b_f
     return a_data.new_empty(m, n, dtype=out_dtype)
 
 
+def _bf16_gemm_kernels(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor,
+                       b_scale: torch.Tensor) -> torch.Tensor:
+    from ..kernels.bf16_gemm import bf16_gemm
+
+    return bf16_gemm(a, b, a_scale, b_scale)
+
+
+# Opaque under every compiler (its launch takes host-built TMA descriptors); torch.compile and CUDA graphs call it as
+# one node.
+_bf16_gemm_op = torch.library.custom_op("hf_fp4::bf16_gemm", _bf16_gemm_kernels, mutates_args=())
+
+
+@_bf16_gemm_op.register_fake
+def _(a, b, a_scale, b_scale):
+    return a.new_empty(a.shape[0], b.shape[0], dtype=torch.bfloat16)
+
+
 def gemm(a: Operand, b: Operand, plans: tuple[OperandPlan, OperandPlan], m: int, n: int,
          out_dtype: torch.dtype, triton_ops: bool = True) -> torch.Tensor:
     """a [M, K] @ b [N, K]^T -> [M, N] in out_dtype, by the form both plans share (the FP8 GEMM through its custom
@@ -273,9 +290,15 @@ def gemm(a: Operand, b: Operand, plans: tuple[OperandPlan, OperandPlan], m: int,
         op = custom_call(_fp8_gemm_kernels, _fp8_gemm_op, _fp8_gemm_cuda_op, a.data, triton_ops)
         return op(*a, *b, m, n, out_dtype, pa.spec.block[1], fp8_shift(pa.spec.grid), pb.spec.block[1],
                   fp8_shift(pb.spec.grid))
-    # bf16: exact operands, FP32 accumulation, the two FP32 tensor scales on the output (one fused pass)
+    # bf16: exact operands, FP32 accumulation, the two FP32 tensor scales on the output
+    from ..kernels import bf16_gemm as fused
     from ..kernels.gemm import scale_output
 
+    a_data, b_data = a.data[:m], b.data[:n]
+    if fused.ENABLED and out_dtype == torch.bfloat16 and a.scale.numel() == b.scale.numel() == 1 and fused.fits(
+            a_data, b_data):  # one kernel: the scales in its epilogue, BF16 written once
+        op = custom_call(_bf16_gemm_kernels, _bf16_gemm_op, _bf16_gemm_op, a_data, triton_ops)
+        return op(a_data, b_data, a.scale.reshape(1), b.scale.reshape(1))
     if a.data.is_cuda:
         out = torch.mm(a.data[:m], b.data[:n].t(), out_dtype=torch.float32)
     else:

@@ -1,0 +1,98 @@
+"""The BF16-form GEMM (NVFP4, UFP4: operands v * UE4M3 block scale, exact in BF16) with its tensor scales fused.
+
+    out = BF16((a @ b^T) * (s_a * s_b))      a [M, K], b [N, K] BF16 (K contiguous), s_a, s_b FP32 [1] on the device
+
+FP32 accumulation on the BF16 tensor cores, the two FP32 tensor decode scales multiplied into the accumulator and
+one rounding to BF16 -- the roundings of `scale_output(torch.mm(a, b.t(), out_dtype=float32), s_a, s_b)`
+(kernels/src/gemm.py), without its FP32 output: cuBLAS writes 4 bytes per output element there and the epilogue
+reads them back (3x the bytes of a BF16 output; on a 4096 x 14336 layer's fwd + bwd 2.1 GB against 0.42 GB).
+
+A persistent kernel (one program per SM walks the output tiles in grouped order, as Triton's persistent-matmul
+tutorial does) over TMA tensor descriptors built on the host, so the launch takes no allocator and replays under
+CUDA graphs.  In Triton's interpreter the same kernel runs with FP32 dots (the interpreter multiplies BF16 dot
+operands as their raw bits).  The scales stay on the device: no host synchronisation.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from .gemm import default_programs
+from .launch import launcher
+from .numerics import bf16_bits
+
+#: Whether FP4Linear's BF16-form GEMMs (hf_fp4/nn/operands.py: gemm) run here (BF16 outputs of operands that fit);
+#: False: torch.mm's FP32 output and gemm.scale_output, the same roundings.
+ENABLED = True
+
+#: (BM, BN, BK, warps, stages, group, warp specialisation): from `scripts/profile_fast_path.py --bf16-gemm` (set this module attribute to
+#: change it).
+TILE = (128, 256, 64, 8, 3, 8, False)
+
+
+@triton.jit
+def _tile_coords(tile, n_m, n_n, GROUP: tl.constexpr):
+    """Output tile `tile`'s (row tile, column tile), GROUP row tiles per column sweep (L2 reuse of b's tiles)."""
+    per_group = GROUP * n_n
+    first_m = (tile // per_group) * GROUP
+    rows_in_group = tl.minimum(n_m - first_m, GROUP)
+    return first_m + (tile % per_group) % rows_in_group, (tile % per_group) // rows_in_group
+
+
+@triton.jit
+def _bf16_gemm_kernel(a_desc, b_desc, out_desc, a_scale, b_scale, M, N, K,
+                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
+                      WARP_SPECIALIZE: tl.constexpr, INTERPRETED: tl.constexpr):
+    n_m, n_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
+    s = tl.load(a_scale) * tl.load(b_scale)
+    for tile in tl.range(tl.program_id(0), n_m * n_n, tl.num_programs(0), flatten=WARP_SPECIALIZE,
+                         warp_specialize=WARP_SPECIALIZE):
+        tm, tn = _tile_coords(tile, n_m, n_n, GROUP)
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            x = a_desc.load([tm * BM, k0])
+            y = b_desc.load([tn * BN, k0])
+            if INTERPRETED:
+                acc = tl.dot(x.to(tl.float32), tl.trans(y.to(tl.float32)), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(x, tl.trans(y), acc)
+        out_desc.store([tm * BM, tn * BN], bf16_bits(acc * s).to(tl.bfloat16, bitcast=True))
+
+
+def fits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the kernel takes a and b as they are: BF16 on CUDA (or in the interpreter), rows of unit stride, row
+    strides and offsets into their storage aligned to TMA's 16 bytes (the caching allocator aligns storages), and an output row of whole 16 bytes (N % 8 == 0)."""
+    from .gemm import _kernel_device
+
+    return b.dim() == 2 and b.shape[0] % 8 == 0 and all(
+        t.dtype == torch.bfloat16 and t.dim() == 2 and t.stride(1) == 1 and t.stride(0) % 8 == 0
+        and t.storage_offset() % 8 == 0 and _kernel_device(t) for t in (a, b))
+
+
+def bf16_gemm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
+              tile: tuple[int, ...] | None = None, programs: int | None = None) -> torch.Tensor:
+    """BF16((a @ b^T) * (a_scale * b_scale)) for a [M, K], b [N, K] (see the module docstring); fits(a, b) must
+    hold.  tile: (BM, BN, BK, warps, stages, group, warp specialisation), TILE by default; programs: one per SM by default."""
+    if a.shape[1] != b.shape[1]:
+        raise ValueError(f"operand widths differ: {a.shape[1]} vs {b.shape[1]}")
+    if not fits(a, b) or a.data_ptr() % 16 or b.data_ptr() % 16:
+        raise ValueError("bf16_gemm takes BF16 operands with unit column stride and 16-byte aligned rows, N % 8 == 0")
+    (m, k), n = a.shape, b.shape[0]
+    bm, bn, bk, warps, stages, group, specialize = tile or TILE
+    out = torch.empty((m, n), dtype=torch.bfloat16, device=a.device)
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+    interpreted = not a.is_cuda
+    a_desc = TensorDescriptor.from_tensor(a, [bm, bk])
+    b_desc = TensorDescriptor.from_tensor(b, [bn, bk])
+    out_desc = TensorDescriptor.from_tensor(out, [bm, bn])
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    programs = min(tiles, programs or default_programs(out))
+    launcher(_bf16_gemm_kernel)[(programs,)](
+        a_desc, b_desc, out_desc, a_scale, b_scale, m, n, k, BM=bm, BN=bn, BK=bk, GROUP=group,
+        WARP_SPECIALIZE=specialize and not interpreted, INTERPRETED=interpreted, num_warps=warps, num_stages=1 if interpreted else stages)
+    return out
