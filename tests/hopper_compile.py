@@ -13,7 +13,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from hf_fp4 import QuantSpec
-from hf_fp4.kernels import attention, gemm, grouped_gemm, operand, sharq
+from hf_fp4.kernels import attention, bf16_gemm, gemm, grouped_gemm, operand, sharq
 from hf_fp4.kernels.numerics import grid_constants
 from hf_fp4.kernels.quant import SCALE_CODES
 from hf_fp4.numerics.operand_plan import OperandPlan
@@ -171,6 +171,17 @@ def fp8_correction_cases():
         yield f"fp8-correction-{out[1:]}", gemm._correction_kernel, types, consts, 8, divisible
 
 
+def bf16_gemm_cases():
+    """The BF16-form GEMM with the tensor scales fused (kernels/src/bf16_gemm.py), its TMA descriptors as the host
+    builds them, with and without warp specialisation."""
+    bm, bn, bk, warps, stages, group, _ = bf16_gemm.TILE
+    types = {"a_desc": f"tensordesc<bf16[{bm},{bk}]>", "b_desc": f"tensordesc<bf16[{bn},{bk}]>",
+             "out_desc": f"tensordesc<bf16[{bm},{bn}]>", "a_scale": "*fp32", "b_scale": "*fp32"}
+    for specialize in (False, True):
+        consts = dict(BM=bm, BN=bn, BK=bk, GROUP=group, WARP_SPECIALIZE=specialize, INTERPRETED=False)
+        yield f"bf16-gemm-ws{int(specialize)}", bf16_gemm._bf16_gemm_kernel, types, consts, warps, ("M", "N", "K")
+
+
 def cases():
     for label, (a, b) in OPERAND_CASES.items():
         types, constexprs, warps, divisible = operand_kernel_args(a, b)
@@ -183,6 +194,7 @@ def cases():
         if any(p is not None and p.stat for p in (a, b)):
             yield f"grouped-stats-{label}", operand._group_stats_kernel, *group_stats_kernel_args(a, b)
     yield from grouped_gemm_cases()
+    yield from bf16_gemm_cases()
     yield ("scale-output", gemm._scale_cast_kernel, {"src_ptr": "*fp32", "dst_ptr": "*bf16", "a_scale_ptr": "*fp32",
            "b_scale_ptr": "*fp32"}, dict(BLOCK=gemm.SCALE_CAST_BLOCK, EVEN=True), 8)
     yield from fp8_correction_cases()
