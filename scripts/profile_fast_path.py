@@ -98,7 +98,9 @@ def main():
                    help="--sweep: comma list of RxCxW[R] operand tiles (R: reload), instead of the built-in list")
     p.add_argument("--cases", default="mxfp4,nvfp4,mxfp4-T,nvfp4-T,mxfp4-dual,nvfp4-dual,ufp4-h16,nvfp4-sr,"
                    "ufp4-dualH", help="operand cases of the operand table and --sweep")
-    p.add_argument("--cprofile", action="store_true", help="host-side profile of one operands() call")
+    p.add_argument("--cprofile", nargs="?", const="operands", default=None,
+                   help="host-side profile: of one operands() call (no value), or 'linear:<preset>' of an eager "
+                        "4096x4096 FP4Linear fwd+bwd at 8192 tokens")
     p.add_argument("--e2e", default=None, help="comma list of bench.py impl names or presets")
     p.add_argument("--e2e-model", default="llama-1.1b", choices=("llama-1.1b", "bench-50m"), help="--e2e's model")
     p.add_argument("--bench-linear", default=None,
@@ -176,6 +178,12 @@ def main():
         import cProfile
         import pstats
         f = call(CASES["mxfp4-dual"])
+        if args.cprofile.startswith("linear:"):
+            layer = FP4Linear.from_linear(nn.Linear(4096, 4096, bias=False, device=dev, dtype=torch.bfloat16),
+                                          preset(args.cprofile.removeprefix("linear:")).linear, name="p")
+            xs = torch.randn(8192, 4096, device=dev, dtype=torch.bfloat16, requires_grad=True)
+            dy = torch.randn(8192, 4096, device=dev, dtype=torch.bfloat16)
+            f = lambda: layer(xs).backward(dy)  # noqa: E731
         for _ in range(5):
             f()
         torch.cuda.synchronize()

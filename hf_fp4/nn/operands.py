@@ -261,9 +261,22 @@ def _(a_data, a_scale, a_side, a_eb, a_flags, b_data, b_scale, b_side, b_eb, b_f
 
 def _bf16_gemm_kernels(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor,
                        b_scale: torch.Tensor) -> torch.Tensor:
-    from ..kernels.bf16_gemm import bf16_gemm
+    """The fused BF16-form GEMM, or where an operand view starts off TMA's 16-byte alignment (which a compiler's
+    trace cannot see) torch.mm's FP32 output and the epilogue pass: the same roundings."""
+    from ..kernels.bf16_gemm import aligned, bf16_gemm
 
-    return bf16_gemm(a, b, a_scale, b_scale)
+    if aligned(a, b):
+        return bf16_gemm(a, b, a_scale, b_scale)
+    return _mm_scaled(a, b, a_scale, b_scale, torch.bfloat16)
+
+
+def _mm_scaled(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
+               out_dtype: torch.dtype) -> torch.Tensor:
+    """a @ b^T of BF16-form operands as an FP32 product (torch.mm on CUDA), the tensor scales applied after."""
+    from ..kernels.gemm import scale_output
+
+    out = torch.mm(a, b.t(), out_dtype=torch.float32) if a.is_cuda else a.float() @ b.float().t()
+    return scale_output(out, a_scale, b_scale, out_dtype)
 
 
 # Opaque under every compiler (its launch takes host-built TMA descriptors); torch.compile and CUDA graphs call it as
@@ -292,18 +305,13 @@ def gemm(a: Operand, b: Operand, plans: tuple[OperandPlan, OperandPlan], m: int,
                   fp8_shift(pb.spec.grid))
     # bf16: exact operands, FP32 accumulation, the two FP32 tensor scales on the output
     from ..kernels import bf16_gemm as fused
-    from ..kernels.gemm import scale_output
 
     a_data, b_data = a.data[:m], b.data[:n]
     if fused.ENABLED and out_dtype == torch.bfloat16 and a.scale.numel() == b.scale.numel() == 1 and fused.fits(
             a_data, b_data):  # one kernel: the scales in its epilogue, BF16 written once
         op = custom_call(_bf16_gemm_kernels, _bf16_gemm_op, _bf16_gemm_op, a_data, triton_ops)
         return op(a_data, b_data, a.scale.reshape(1), b.scale.reshape(1))
-    if a.data.is_cuda:
-        out = torch.mm(a.data[:m], b.data[:n].t(), out_dtype=torch.float32)
-    else:
-        out = a.data[:m].float() @ b.data[:n].float().t()
-    return scale_output(out, a.scale, b.scale, out_dtype)
+    return _mm_scaled(a_data, b_data, a.scale, b.scale, out_dtype)
 
 
 def quantized_matmul(a: torch.Tensor, b: torch.Tensor, spec: QuantSpec, backend: str = "auto",

@@ -27,9 +27,12 @@ from .numerics import bf16_bits
 #: False: torch.mm's FP32 output and gemm.scale_output, the same roundings.
 ENABLED = True
 
-#: (BM, BN, BK, warps, stages, group, warp specialisation): from `scripts/profile_fast_path.py --bf16-gemm` (set this module attribute to
-#: change it).
-TILE = (128, 256, 64, 8, 3, 8, False)
+#: (BM, BN, BK, warps, stages, group, warp specialisation): `scripts/profile_fast_path.py --bf16-gemm` (H100,
+#: 2026-12-06, the linear bench's nine GEMMs captured: 9.27 ms in all with this tile, 9.66 without warp
+#: specialisation, 10.06-11.10 with 128 x 128 tiles or BK 128; torch.mm with FP32 output + the epilogue pass 10.44,
+#: torch.mm's plain BF16 output 9.06; benchmarks/gpu/bf16gemm-tiles-2026-12-06-session26.txt).  Set this module
+#: attribute to change it.
+TILE = (128, 256, 64, 8, 3, 8, True)
 
 
 @triton.jit
@@ -62,22 +65,29 @@ def _bf16_gemm_kernel(a_desc, b_desc, out_desc, a_scale, b_scale, M, N, K,
 
 
 def fits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether the kernel takes a and b as they are: BF16 on CUDA (or in the interpreter), rows of unit stride, row
-    strides and offsets into their storage aligned to TMA's 16 bytes (the caching allocator aligns storages), and an output row of whole 16 bytes (N % 8 == 0)."""
+    """Whether the kernel takes a and b's layout: BF16 matrices on CUDA (or in the interpreter), rows of unit stride,
+    row strides of whole 16 bytes (TMA's alignment), and an output row of whole 16 bytes (N % 8 == 0).  Traceable
+    by dynamo (no storage offsets or addresses): aligned() is the launch's own check of the addresses."""
     from .gemm import _kernel_device
 
     return b.dim() == 2 and b.shape[0] % 8 == 0 and all(
         t.dtype == torch.bfloat16 and t.dim() == 2 and t.stride(1) == 1 and t.stride(0) % 8 == 0
-        and t.storage_offset() % 8 == 0 and _kernel_device(t) for t in (a, b))
+        and _kernel_device(t) for t in (a, b))
+
+
+def aligned(*tensors: torch.Tensor) -> bool:
+    """Whether every tensor starts on a 16-byte boundary (TMA's; the caching allocator aligns its blocks further,
+    so only a view starting inside a row misses it)."""
+    return all(t.data_ptr() % 16 == 0 for t in tensors)
 
 
 def bf16_gemm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
               tile: tuple[int, ...] | None = None, programs: int | None = None) -> torch.Tensor:
-    """BF16((a @ b^T) * (a_scale * b_scale)) for a [M, K], b [N, K] (see the module docstring); fits(a, b) must
-    hold.  tile: (BM, BN, BK, warps, stages, group, warp specialisation), TILE by default; programs: one per SM by default."""
+    """BF16((a @ b^T) * (a_scale * b_scale)) for a [M, K], b [N, K] (see the module docstring); fits(a, b) and
+    aligned(a, b) must hold.  tile: (BM, BN, BK, warps, stages, group, warp specialisation), TILE by default; programs: one per SM by default."""
     if a.shape[1] != b.shape[1]:
         raise ValueError(f"operand widths differ: {a.shape[1]} vs {b.shape[1]}")
-    if not fits(a, b) or a.data_ptr() % 16 or b.data_ptr() % 16:
+    if not fits(a, b) or not aligned(a, b):
         raise ValueError("bf16_gemm takes BF16 operands with unit column stride and 16-byte aligned rows, N % 8 == 0")
     (m, k), n = a.shape, b.shape[0]
     bm, bn, bk, warps, stages, group, specialize = tile or TILE
