@@ -48,6 +48,9 @@ def _tile_coords(tile, n_m, n_n, GROUP: tl.constexpr):
 def _bf16_gemm_kernel(a_desc, b_desc, out_desc, a_scale, b_scale, M, N, K,
                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
                       WARP_SPECIALIZE: tl.constexpr, INTERPRETED: tl.constexpr):
+    """Each program walks output tiles tl.num_programs(0) apart: the K loop over TMA loads of a's and b's tiles
+    (zero past the edges), then the scaled accumulator rounded to BF16 (by hand: the interpreter truncates) and
+    stored through TMA (clipped at the edges).  Warp specialisation splits the loads from the MMAs."""
     n_m, n_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
     s = tl.load(a_scale) * tl.load(b_scale)
     for tile in tl.range(tl.program_id(0), n_m * n_n, tl.num_programs(0), flatten=WARP_SPECIALIZE,
@@ -84,7 +87,8 @@ def aligned(*tensors: torch.Tensor) -> bool:
 def bf16_gemm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
               tile: tuple[int, ...] | None = None, programs: int | None = None) -> torch.Tensor:
     """BF16((a @ b^T) * (a_scale * b_scale)) for a [M, K], b [N, K] (see the module docstring); fits(a, b) and
-    aligned(a, b) must hold.  tile: (BM, BN, BK, warps, stages, group, warp specialisation), TILE by default; programs: one per SM by default."""
+    aligned(a, b) must hold.  tile: (BM, BN, BK, warps, stages, group, warp specialisation), TILE by default;
+    programs: one per SM by default."""
     if a.shape[1] != b.shape[1]:
         raise ValueError(f"operand widths differ: {a.shape[1]} vs {b.shape[1]}")
     if not fits(a, b) or not aligned(a, b):
@@ -104,5 +108,6 @@ def bf16_gemm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: 
     programs = min(tiles, programs or default_programs(out))
     launcher(_bf16_gemm_kernel)[(programs,)](
         a_desc, b_desc, out_desc, a_scale, b_scale, m, n, k, BM=bm, BN=bn, BK=bk, GROUP=group,
-        WARP_SPECIALIZE=specialize and not interpreted, INTERPRETED=interpreted, num_warps=warps, num_stages=1 if interpreted else stages)
+        WARP_SPECIALIZE=specialize and not interpreted, INTERPRETED=interpreted, num_warps=warps,
+        num_stages=1 if interpreted else stages)
     return out
