@@ -445,6 +445,23 @@ def test_fused_bf16_gemm_rounds_the_scaled_accumulator_once(m, n, k, tile):
     assert torch.equal(got.view(torch.int16), expected.view(torch.int16))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("m,n,k", [(4100, 3080, 2056), (8192, 4096, 4096), (37, 384, 512)], ids=str)
+def test_fused_bf16_gemm_rounds_once_at_full_size_on_gpu(m, n, k):
+    """The GPU's kernel (warp-specialised, TMA, the default tile) at sizes with partial tiles and at the bench's: exact
+    sums (|products| <= 2^8, k <= 2^12 of them: below FP32's 2^24) make it equal to torch's rounding bit for bit."""
+    from hf_fp4.kernels.bf16_gemm import bf16_gemm
+
+    g = torch.Generator(device=DEV).manual_seed(m + n)
+    a = (torch.randint(-8, 9, (m, k), generator=g, device=DEV).float() * 2.0**-3).bfloat16()
+    b = (torch.randint(-8, 9, (n, k), generator=g, device=DEV).float() * 2.0**5).bfloat16()
+    sa, sb = torch.tensor([0.3712], device=DEV), torch.tensor([1.77e-3], device=DEV)
+    exact = torch.mm(a, b.t(), out_dtype=torch.float32)  # exact too: every partial sum is an integer below 2^24
+    expected = (exact * (sa * sb)).to(torch.bfloat16)
+    assert torch.equal(bf16_gemm(a, b, sa, sb).view(torch.int16), expected.view(torch.int16))
+
+
 def test_fused_bf16_gemm_keeps_nan_in_its_row_and_refuses_what_it_cannot_take():
     from hf_fp4.kernels.bf16_gemm import aligned, bf16_gemm, fits
 
