@@ -36,6 +36,7 @@ import hf_fp4
 from hf_fp4 import FP4Linear, QuantSpec, preset
 from hf_fp4.extras import versions as package_versions
 from hf_fp4.nn.recipe import PRESET_NAMES
+from hf_fp4.numerics.spec import ScaleRule
 
 FP4_PRESETS = [p for p in PRESET_NAMES if p != "bf16"]
 #: "hf_fp4:<preset>+bf16gemm[:mode]": the MX family's GEMMs on the BF16 tensor cores (FP4Linear.fp8_gemms=False)
@@ -285,7 +286,7 @@ def bench_quant(dev, n, results):
     inputs = [(torch.randn(n, n, device=dev, dtype=torch.bfloat16),) for _ in range(3)]
     copy_ms = graph_ms(lambda x: x.clone(), inputs)
     copy_gbs = 4 * n * n / copy_ms / 1e6
-    rows = [("copy", copy_ms, 4 * n * n)]
+    rows = [("copy", copy_ms, 4 * n * n, 4 * n * n)]  # (label, ms, bytes read once + written, bytes moved)
     try:
         from torchao.prototype.mx_formats.mx_tensor import to_mx
 
@@ -293,7 +294,8 @@ def bench_quant(dev, n, results):
                             ("torchao_to_mx_compiled:mxfp4", torch.float4_e2m1fn_x2)):
             f = torch.compile(lambda x, e=elem: to_mx(x, e, 32))
             f(*inputs[0])  # compile outside the graph capture
-            rows.append((label, graph_ms(f, inputs), n * n * (2 + (1 if elem == torch.float8_e4m3fn else 0.5))))
+            nbytes = n * n * (2 + (1 if elem == torch.float8_e4m3fn else 0.5))
+            rows.append((label, graph_ms(f, inputs), nbytes, nbytes))
     except Exception as err:  # noqa: BLE001
         print(f"torchao to_mx unavailable: {err}")
     seeds = torch.tensor([1, 2], device=dev)
@@ -329,20 +331,33 @@ def bench_quant(dev, n, results):
                   for p in plans)
         ms = graph_ms(lambda x, p=plans, s=s: operands(x, p, seeds, s), inputs)
         written = sum(out_bytes[p.form] for p in plans if p is not None)
-        rows.append((f"hf_fp4:{label}", ms, n * n * (2 + written)))
+        stats_read = 2 if any(p is not None and p.stat for p in plans) else 0  # the statistics pass's read of t
+        rows.append((f"hf_fp4:{label}", ms, n * n * (2 + written), n * n * (2 + written + stats_read)))
     for name in ("mxfp4", "nvfp4"):  # packed codes + scales (export path; "propagate": no host check)
         spec = dataclasses.replace(QuantSpec.preset(name), nonfinite="propagate")
         ms = graph_ms(lambda x, s=spec: triton_quantize(x, s), inputs)
-        rows.append((f"hf_fp4:{name} packed codes", ms, n * n * (2 + spec.bits_per_value / 8)))
+        nbytes = n * n * (2 + spec.bits_per_value / 8)
+        amax_read = n * n * 2 if spec.scale is ScaleRule.UE4M3_FP32 else 0  # triton_quantize's statistics pass
+        rows.append((f"hf_fp4:{name} packed codes", ms, nbytes, nbytes + amax_read))
     del signs
-    table = []
-    for label, ms, nbytes in rows:
+    for label, ms, nbytes, moved in rows:
         gbs = nbytes / ms / 1e6
-        results["quant"].append({"tensor": f"{n}x{n}", "impl": label, "ms": round(ms, 4),
-                                 "gb_per_s": round(gbs, 1), "of_copy_bw": round(gbs / copy_gbs, 3)})
-        table.append([label, f"{ms:.3f}", f"{gbs:.0f}", f"{gbs / copy_gbs:.0%}"])
-    return md_table(f"Operand quantization of a {n}x{n} bf16 tensor, GPU time (CUDA-graph replay; bytes read "
-                    "once + written; % of the device copy's bytes/s)", ["impl", "ms", "GB/s", "% of copy"], table)
+        results["quant"].append({"tensor": f"{n}x{n}", "impl": label, "ms": round(ms, 4), "gb_per_s": round(gbs, 1),
+                                 "of_copy_bw": round(gbs / copy_gbs, 3),
+                                 "moved_of_copy_bw": round(moved / ms / 1e6 / copy_gbs, 3)})
+    return quant_table(results["quant"])
+
+
+def quant_table(rows: list[dict]) -> str:
+    """The quantization part's table: bandwidth by the bytes an operand needs (t read once, the operands written)
+    and by the bytes its kernels move (the statistics pass's read of t too: the tensor amax of two-level formats,
+    the row amax of the FP8 form)."""
+    table = [[q["impl"], f"{q['ms']:.3f}", f"{q['gb_per_s']:.0f}", f"{q['of_copy_bw']:.0%}",
+              f"{q['moved_of_copy_bw']:.0%}" if "moved_of_copy_bw" in q else "-"] for q in rows]
+    return md_table(f"Operand quantization of a {rows[0]['tensor']} bf16 tensor, GPU time (CUDA-graph replay; "
+                    "% of the device copy's bytes/s by the bytes read once + written, and by the bytes moved: the "
+                    "statistics pass's read counted)", ["impl", "ms", "GB/s (read once)", "% of copy (read once)",
+                                                        "% of copy (bytes moved)"], table)
 
 
 def linear_impls(k, n, dev, names):
@@ -915,10 +930,7 @@ def render(results) -> str:
     """Markdown tables of a results dict (used when merging the JSON of several runs)."""
     text = []
     if results["quant"]:
-        rows = [[q["impl"], f"{q['ms']:.3f}", f"{q['gb_per_s']:.0f}", f"{q['of_copy_bw']:.0%}"] for q in results["quant"]]
-        text.append(md_table(f"Operand quantization of a {results['quant'][0]['tensor']} bf16 tensor, GPU time "
-                             "(CUDA-graph replay; bytes read once + written; % of the device copy's bytes/s)",
-                             ["impl", "ms", "GB/s", "% of copy"], rows))
+        text.append(quant_table(results["quant"]))
     for inputs in dict.fromkeys(r.get("inputs", "normal") for r in results["linear"]):
         text.append(linear_tables([r for r in results["linear"] if r.get("inputs", "normal") == inputs]))
     for model in dict.fromkeys(r["model"] for r in results["e2e"]):
