@@ -7,6 +7,8 @@
 #   STAGE=resume RECIPE=nvfp4 bash scripts/multi_gpu_check.sh           FSDP2: an uninterrupted run, and one killed
 #       (SIGKILL) after step KILL_AT then --resume'd: the two loss trajectories must be equal bit for bit
 #   STAGE=bench GPUS="1 2" bash scripts/multi_gpu_check.sh              scripts/bench_fsdp.py per GPU count
+#   STAGE=tests bash scripts/multi_gpu_check.sh                         the GPU tests that need two GPUs (a layer on
+#       cuda:1 while cuda:0 is current)
 # Results come back as $OUT/multi_gpu.tgz (metrics, logs, benchmarks/multi-gpu-<date>.{json,md}).
 # NVLink multicast stays off in every process (the machines' KINDS.md).
 set -uo pipefail
@@ -90,6 +92,8 @@ torchao_fp8_tensorwise+fp8ag}" > "$WORK/bench-$n.log" 2>&1
     tail -3 "$WORK/bench-$n.log"
   done
   cat "$WORK"/benchmarks/*.md ;;
+tests)
+  python3 -P -m pytest -q -p no:cacheprovider tests/test_kernels.py -k second_gpu 2>&1 | tee "$WORK/tests.txt" ;;
 esac
 cd "$WORK" && tar czf "$OUT/multi_gpu.tgz" --ignore-failed-read device.txt *.txt *.log benchmarks */metrics.jsonl \
   2>/dev/null

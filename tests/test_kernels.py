@@ -462,6 +462,35 @@ def test_fused_bf16_gemm_rounds_once_at_full_size_on_gpu(m, n, k):
     assert torch.equal(bf16_gemm(a, b, sa, sb).view(torch.int16), expected.view(torch.int16))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA or torch.cuda.device_count() < 2, reason="needs two CUDA GPUs (scripts/multi_gpu_check.sh"
+                    " STAGE=tests)")
+@pytest.mark.parametrize("name", ["nvfp4", "mxfp4", "ufp4"])
+def test_a_layer_on_the_second_gpu_runs_its_kernels_there_whatever_device_is_current(name):
+    """Triton launches on the *current* CUDA device: a layer on cuda:1 while cuda:0 is current must still run every
+    kernel on cuda:1 (kernels/src/launch.launcher's device guard) -- forward and backward bit-identical to the same
+    layer run with cuda:1 current (without the guard: an illegal address, or another GPU's memory read)."""
+    import copy
+
+    from hf_fp4.nn.linear import FP4Linear
+
+    torch.manual_seed(5)
+    base = torch.nn.Linear(256, 128, bias=False, dtype=torch.bfloat16)
+    x, dy = torch.randn(64, 256, dtype=torch.bfloat16), torch.randn(64, 128, dtype=torch.bfloat16)
+    got = []
+    for current in (1, 0):
+        with torch.cuda.device(current):
+            layer = FP4Linear.from_linear(copy.deepcopy(base), preset(name).linear, name="p").to("cuda:1")
+            layer.backend = "triton"
+            xs = x.to("cuda:1").requires_grad_(True)
+            y = layer(xs)
+            y.backward(dy.to("cuda:1"))
+            torch.cuda.synchronize("cuda:1")
+            got.append((y, xs.grad, layer.weight.grad))
+    for a, b in zip(*got):
+        assert a.device == b.device == torch.device("cuda", 1) and torch.equal(a, b)
+
+
 def test_fused_bf16_gemm_keeps_nan_in_its_row_and_refuses_what_it_cannot_take():
     from hf_fp4.kernels.bf16_gemm import aligned, bf16_gemm, fits
 

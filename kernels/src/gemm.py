@@ -264,8 +264,8 @@ def scale_output(out: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor
         return (out * (a_scale * b_scale)).to(out_dtype)
     dst = torch.empty(out.shape, dtype=torch.bfloat16, device=out.device)
     n = out.numel()
-    _scale_cast_kernel[(triton.cdiv(n, SCALE_CAST_BLOCK),)](out, dst, n, a_scale, b_scale, BLOCK=SCALE_CAST_BLOCK,
-                                                           EVEN=n % SCALE_CAST_BLOCK == 0, num_warps=8)
+    launcher(_scale_cast_kernel)[(triton.cdiv(n, SCALE_CAST_BLOCK),)](
+        out, dst, n, a_scale, b_scale, BLOCK=SCALE_CAST_BLOCK, EVEN=n % SCALE_CAST_BLOCK == 0, num_warps=8)
     return dst
 
 

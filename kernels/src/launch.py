@@ -26,12 +26,19 @@ def tracing(*args) -> bool:
         return True
     if any(torch._C._get_dispatch_mode(key) is not None for key in _TRACING_MODES):
         return True
-    t = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    t = _first_tensor(args)
     return t is not None and (isinstance(t, FakeTensor) or torch._is_functional_tensor(t))
 
 
+def _first_tensor(args) -> torch.Tensor | None:
+    return next((a for a in args if isinstance(a, torch.Tensor)), None)
+
+
 class launcher:
-    """`launcher(kernel)[grid](*args, **meta)`: wrap_triton's launch while a compiler traces it, else the kernel's."""
+    """`launcher(kernel)[grid](*args, **meta)`: wrap_triton's launch while a compiler traces it, else the kernel's --
+    on the device of its first tensor argument: Triton launches on the *current* CUDA device, so a model on cuda:1
+    in a process whose current device is cuda:0 would run its kernels on the wrong GPU (an illegal address without
+    peer access).  Compiled code sets its own device guard."""
 
     def __init__(self, kernel):
         self.kernel = kernel
@@ -40,6 +47,10 @@ class launcher:
         def launch(*args, **kwargs):
             if tracing(*args):
                 return wrap_triton(self.kernel)[grid](*args, **kwargs)
+            t = _first_tensor(args)
+            if t is not None and t.is_cuda and t.device.index != torch.cuda.current_device():
+                with torch.cuda.device(t.device):
+                    return self.kernel[grid](*args, **kwargs)
             return self.kernel[grid](*args, **kwargs)
 
         return launch

@@ -24,6 +24,7 @@ from hf_fp4.numerics.qtensor import NonFiniteError, QuantizedTensor
 from hf_fp4.numerics.scales import ScaleRule
 from hf_fp4.numerics.spec import NonFinite, QuantSpec, Rounding
 
+from .launch import launcher
 from .numerics import (block_any, block_max, encode_factor, e8m0_exponent, expand_blocks, flush_subnormals,
                        grid_code, grid_constants, hadamard, pow2, round_grid, sr_uniforms, tensor_encode_scale,
                        ue4m3_block_scale)
@@ -151,8 +152,8 @@ def triton_quantize(x: torch.Tensor, spec: QuantSpec, seed: int | None = None, h
     stat = torch.zeros(1, dtype=torch.float32, device=dev)
     if spec.scale is ScaleRule.UE4M3_FP32 or spec.nonfinite is NonFinite.RAISE:
         bad = torch.zeros(1, dtype=torch.int32, device=dev)
-        _quantize_kernel[grid](x2, dummy, dummy, stat, mu_t, signs_t, bad, m, k, kp, stride_m, stride_k, 0,
-                               STATS_ONLY=True, **consts)
+        launcher(_quantize_kernel)[grid](x2, dummy, dummy, stat, mu_t, signs_t, bad, m, k, kp, stride_m, stride_k,
+                                         0, STATS_ONLY=True, **consts)
         if spec.nonfinite is NonFinite.RAISE and bool(bad.item()):
             raise NonFiniteError("quantize: input has NaN/Inf value(s); pass a QuantSpec with "
                                  "nonfinite='propagate' to turn their blocks into NaN instead")
@@ -163,8 +164,8 @@ def triton_quantize(x: torch.Tensor, spec: QuantSpec, seed: int | None = None, h
     codes = torch.empty((gm, gk // (8 // bits)), dtype=torch.uint8, device=dev)
     scales = torch.empty((gm // br, gk // bc), dtype=torch.float32 if spec.scale is ScaleRule.FP32 else torch.uint8,
                          device=dev)
-    _quantize_kernel[grid](x2, codes, scales, stat, mu_t, signs_t, dummy, m, k, kp, stride_m, stride_k, seed or 0,
-                           STATS_ONLY=False, **consts)
+    launcher(_quantize_kernel)[grid](x2, codes, scales, stat, mu_t, signs_t, dummy, m, k, kp, stride_m, stride_k,
+                                     seed or 0, STATS_ONLY=False, **consts)
     mp = triton.cdiv(m, br) * br
     codes = codes[:mp, : kp // (8 // bits)]
     scales = scales[: mp // br, : kp // bc]

@@ -23,6 +23,7 @@ from hf_fp4.numerics.qtensor import NonFiniteError
 from hf_fp4.numerics.scales import ScaleRule, nvfp4_tensor_encode_scale
 from hf_fp4.numerics.spec import QuantSpec, Rounding
 
+from .launch import launcher
 from .numerics import flush_subnormals, grid_constants, quantize_tile
 from .quant import SCALE_CODES
 
@@ -96,8 +97,8 @@ def triton_sharq_operands(x: torch.Tensor, spec: QuantSpec, tile: tuple[int, int
                   num_warps=warps)
     phases = (0, 1, 2) if spec.scale is ScaleRule.UE4M3_FP32 else (0, 2)
     for phase in phases:
-        _sharq_kernel[grid](x2, q_sp, q_res, stat, bad, m, k, x2.stride(0), x2.stride(1), PHASE=phase, PARTS=parts,
-                            **consts)
+        launcher(_sharq_kernel)[grid](x2, q_sp, q_res, stat, bad, m, k, x2.stride(0), x2.stride(1), PHASE=phase,
+                                      PARTS=parts, **consts)
         if phase == 0 and bool(bad.item()):
             raise NonFiniteError("SharQ: the activation has NaN/Inf value(s)")
     if not parts:
