@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .gemm import default_programs
+from .gemm import _kernel_device, default_programs
 from .launch import launcher
 from .numerics import bf16_bits
 
@@ -71,8 +71,6 @@ def fits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether the kernel takes a and b's layout: BF16 matrices on CUDA (or in the interpreter), rows of unit stride,
     row strides of whole 16 bytes (TMA's alignment), and an output row of whole 16 bytes (N % 8 == 0).  Traceable
     by dynamo (no storage offsets or addresses): aligned() is the launch's own check of the addresses."""
-    from .gemm import _kernel_device
-
     return b.dim() == 2 and b.shape[0] % 8 == 0 and all(
         t.dtype == torch.bfloat16 and t.dim() == 2 and t.stride(1) == 1 and t.stride(0) % 8 == 0
         and _kernel_device(t) for t in (a, b))

@@ -22,11 +22,15 @@ def tracing(*args) -> bool:
     """Whether a compiler is tracing the current call (so a launch must be recorded, not run).  Of the arguments only
     the first tensor is looked at: a traced call's tensors are all fake or functional (a launch has ~50 arguments,
     and looking at each cost ~10 us of host time per eager launch)."""
+    return _tracing(_first_tensor(args))
+
+
+def _tracing(t: torch.Tensor | None) -> bool:
+    """tracing() given the call's first tensor argument (or None)."""
     if torch.compiler.is_compiling():
         return True
     if any(torch._C._get_dispatch_mode(key) is not None for key in _TRACING_MODES):
         return True
-    t = _first_tensor(args)
     return t is not None and (isinstance(t, FakeTensor) or torch._is_functional_tensor(t))
 
 
@@ -45,9 +49,9 @@ class launcher:
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
-            if tracing(*args):
+            t = _first_tensor(args)  # once: both the tracing check and the device guard look at it
+            if _tracing(t):
                 return wrap_triton(self.kernel)[grid](*args, **kwargs)
-            t = _first_tensor(args)
             if t is not None and t.is_cuda and t.device.index != torch.cuda.current_device():
                 with torch.cuda.device(t.device):
                     return self.kernel[grid](*args, **kwargs)
