@@ -588,16 +588,42 @@ def bench50m_model() -> dict:
     return cfg["model"], cfg
 
 
+def sdpa_backend(q, k, v, **options) -> str:
+    """The backend PyTorch's default SDPA dispatch picks for these inputs ("flash_attention", "cudnn_attention",
+    ...).  PyTorch puts cuDNN's kernels first on sm_90 when its cuDNN passes a version gate
+    (check_prefer_cudnn_attention in sdp_utils.cpp), so the default row need not be the flash backend issue 12
+    names: recorded, not assumed."""
+    from torch.nn.attention import SDPBackend
+
+    names = {int(value): name.lower() for name, value in SDPBackend.__members__.items()}
+    try:
+        return names.get(int(torch._fused_sdp_choice(q, k, v, **options)), "unknown")
+    except (AttributeError, RuntimeError, TypeError):  # a private API: a torch without it
+        return "unknown"
+
+
+def sdpa_flash(q, k, v, **options):
+    """SDPA restricted to its flash backend (FlashAttention-2 kernels in PyTorch's CUDA build)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        return nn.functional.scaled_dot_product_attention(q, k, v, **options)
+
+
 def bench_attention(dev, quick, results):
     """FP4 attention (issue 12) against PyTorch's SDPA (bf16, causal, GQA): forward and forward + backward ms,
-    peak memory.  hf_fp4 runs nvfp4 Q/K/V/dS with the reference or the Triton flash kernels."""
+    peak memory.  Two SDPA rows: `sdpa` is the default dispatch (its backend recorded), `sdpa:flash` the flash
+    backend alone (issue 12's yardstick).  hf_fp4 runs nvfp4 Q/K/V/dS with the
+    reference or the Triton flash kernels."""
     from hf_fp4.nn.attention import fp4_attention
 
     b, h, hkv, t, d = (1, 4, 2, 64, 32) if quick else (1, 32, 8, 4096, 128)
     g = torch.Generator(device=dev).manual_seed(0)
     q, k, v = (torch.randn(b, n, t, d, device=dev, dtype=torch.bfloat16, generator=g) for n in (h, hkv, hkv))
+    default_backend = sdpa_backend(q, k, v, is_causal=True, enable_gqa=True)
     impls = {"sdpa": lambda q, k, v: nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
                                                                                  enable_gqa=True),
+             "sdpa:flash": lambda q, k, v: sdpa_flash(q, k, v, is_causal=True, enable_gqa=True),
              "hf_fp4:nvfp4:reference": lambda q, k, v: fp4_attention(q, k, v, recipe="nvfp4", causal=True),
              "hf_fp4:nvfp4:triton": lambda q, k, v: fp4_attention(q, k, v, recipe="nvfp4", backend="triton",
                                                                   causal=True)}
@@ -622,8 +648,11 @@ def bench_attention(dev, quick, results):
             captured = None if name.endswith(":reference") else captured_ms(step, ())
             results.setdefault("attention", []).append({
                 "shape": f"B{b} H{h}/{hkv} T{t} D{d}", "impl": name, "pass": what, "ms": round(ms, 4),
-                "ms_captured": None if captured is None else round(captured, 4), "peak_gib": round(peak, 3)})
+                "ms_captured": None if captured is None else round(captured, 4), "peak_gib": round(peak, 3),
+                **({"backend": default_backend} if name == "sdpa" else {})})
             row += [f"{ms:.2f}", "-" if captured is None else f"{captured:.3f}", f"{peak:.2f}"]
+        if name == "sdpa":
+            row[0] = f"sdpa (default: {default_backend})"
         rows.append(row)
     return md_table(f"Attention, B{b} H{h} (GQA {hkv}) T{t} D{d}, causal, bf16 inputs (ms waited for; ms of one "
                     "step captured in a CUDA graph, replayed: GPU time alone; peak GiB)",

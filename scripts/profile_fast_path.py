@@ -609,7 +609,11 @@ def profile_e2e(name: str, steps: int = 3, model_name: str = "llama-1.1b") -> No
 
 def attention_tiles(dev: str) -> None:
     """Forward and backward ms of the flash kernels per tile on B1 H32 T4096 D128 (GQA expanded), causal, NVFP4
-    operands as the tensor cores take them, against SDPA's flash backend on the same bf16 inputs."""
+    operands as the tensor cores take them, against SDPA's flash backend on the same bf16 inputs (and SDPA's
+    default dispatch printed beside it, with its backend: session 27's 'sdpa' line was the default dispatch, its
+    backend not recorded)."""
+    from bench import sdpa_backend, sdpa_flash
+
     from hf_fp4.kernels import attention as kernels
     from hf_fp4.nn.attention import tensor_core_operand
 
@@ -618,11 +622,15 @@ def attention_tiles(dev: str) -> None:
     q, k, v, do = (torch.randn(b, h, t, d, device=dev, dtype=torch.bfloat16, generator=g) for _ in range(4))
     ops = [tensor_core_operand(x, QuantSpec.preset("nvfp4"), 0) for x in (q, k, v)]
     (qh, kh, vh), decodes = (o[0] for o in ops), torch.stack([o[1] for o in ops])
-    sdpa_f = graph_ms(lambda: nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))
+    # the default dispatch (cuDNN's kernels where PyTorch prefers them) and the flash backend (issue 12's yardstick);
+    # the ratios below are against the flash backend
     qq, kk, vv = (x.detach().requires_grad_() for x in (q, k, v))
-    out = nn.functional.scaled_dot_product_attention(qq, kk, vv, is_causal=True)
-    sdpa_b = event_ms(lambda: torch.autograd.grad(out, (qq, kk, vv), do, retain_graph=True), 10)
-    print(f"sdpa: fwd {sdpa_f:.3f} ms, bwd {sdpa_b:.3f} ms")
+    for label, attend in ((f"sdpa default ({sdpa_backend(q, k, v, is_causal=True)})",
+                           nn.functional.scaled_dot_product_attention), ("sdpa flash", sdpa_flash)):
+        sdpa_f = graph_ms(lambda attend=attend: attend(q, k, v, is_causal=True))
+        out = attend(qq, kk, vv, is_causal=True)
+        sdpa_b = event_ms(lambda out=out: torch.autograd.grad(out, (qq, kk, vv), do, retain_graph=True), 10)
+        print(f"{label}: fwd {sdpa_f:.3f} ms, bwd {sdpa_b:.3f} ms")
     spec = QuantSpec.preset("nvfp4")
     o = kernels.flash_forward(qh, kh, vh, None, d ** -0.5, decodes, causal=True)
     # (rows, keys, warps[, pipeline stages: 3 where not given]); session 21's forward runs the tiles before the

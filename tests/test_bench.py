@@ -21,8 +21,12 @@ def test_bench_quick_parts_write_every_row(tmp_path):
     assert results["command"].startswith("python ") and "--quick" in results["command"]
     linear = {"bf16", "hf_fp4:nvfp4", "hf_fp4:mxfp4+bf16gemm", "emulation_compiled"}
     assert {r["impl"] for r in results["linear"]} == linear
-    attention = {"sdpa", "hf_fp4:nvfp4:reference"} | ({"hf_fp4:nvfp4:triton"} if torch.cuda.is_available() else set())
+    attention = {"sdpa", "sdpa:flash", "hf_fp4:nvfp4:reference"} | (
+        {"hf_fp4:nvfp4:triton"} if torch.cuda.is_available() else set())
     assert {r["impl"] for r in results["attention"]} == attention  # (no Triton on a CPU without its interpreter)
+    # the default dispatch's backend is recorded (PyTorch may prefer cuDNN's kernels to the flash backend)
+    assert {r.get("backend") for r in results["attention"] if r["impl"] == "sdpa"} <= {
+        "flash_attention", "cudnn_attention", "efficient_attention", "math", "overrideable"}
     # the listed presets and GEMM forms, the first preset's loop beside them
     moe = {"bf16:grouped_mm", "bf16:eager", "emulation_compiled", "hf_fp4:nvfp4", "hf_fp4:mxfp4+bf16gemm",
            "hf_fp4:nvfp4:loop"}

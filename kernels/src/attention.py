@@ -31,8 +31,8 @@ from .numerics import quantize_tile, round_to_bf16, tensor_encode_scale
 #: MASKED, _full_keys, _full_queries) and P V accumulates in the MMA's accumulator; retimed on an H100 in session 27
 #: (benchmarks/gpu/attention-tiles-2026-12-06-session27.txt) the defaults stay the fastest: forward 64 x 32 x 4 0.419 ms
 #: (64 x 64 x 4: 0.455, 128 x 32 x 8: 0.475, 128 x 128 x 8: 0.486; 2 or 4 stages slower), backward 64 x 32 x 4 3.43 ms
-#: (32 x 64 x 4: 5.31, 64 x 32 x 8: 6.13) against SDPA's 0.255 / 0.810 ms (a tile argument may also give the pipeline
-#: stages: (rows, keys, warps, stages)).
+#: (32 x 64 x 4: 5.31, 64 x 32 x 8: 6.13) against SDPA's default dispatch, 0.255 / 0.810 ms (a tile argument may give the
+#: pipeline stages: (rows, keys, warps, stages)).
 #: Every launch compiles with enable_fp_fusion=False: each product and sum is rounded on its own, as the
 #: reference (and the interpreter) round them.  With FMA contraction on, the code around the mask decides which
 #: multiply-adds fuse.  causal=True and the equivalent tril keep-mask still differ in low bits on the H200
