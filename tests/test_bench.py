@@ -161,3 +161,36 @@ def test_the_moe_part_saves_each_row_before_the_next_impl_runs(monkeypatch):
     with pytest.raises(SystemExit):
         bench.bench_moe("cpu", True, results, ["hf_fp4:nvfp4"], lambda: saved.append(json.dumps(results)))
     assert [[r["impl"] for r in json.loads(s)["moe"]] for s in saved] == [["bf16:grouped_mm"]]
+
+
+def test_the_attention_part_names_the_backend_sdpa_dispatched_to(monkeypatch):
+    """bench.py's sdpa_backend (the default SDPA row's recorded backend): SDPA restricted to the backend it names
+    runs and gives the default dispatch's output bit for bit (a wrong name would fail, or compute otherwise: e.g.
+    math in place of flash), and sdpa_flash is SDPA's flash backend alone (it equals the restricted call)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from bench import sdpa_backend, sdpa_flash
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 64, 32, generator=g).to(torch.bfloat16)
+    k, v = (torch.randn(1, 2, 64, 32, generator=g).to(torch.bfloat16) for _ in range(2))
+    options = dict(is_causal=True, enable_gqa=True)
+    name = sdpa_backend(q, k, v, **options)
+    assert name in {n.lower() for n in SDPBackend.__members__} - {"error"}
+    default = torch.nn.functional.scaled_dot_product_attention(q, k, v, **options)
+    with sdpa_kernel(SDPBackend.__members__[name.upper()]):
+        assert torch.equal(torch.nn.functional.scaled_dot_product_attention(q, k, v, **options), default)
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        flash = torch.nn.functional.scaled_dot_product_attention(q, k, v, **options)
+    # on the CPU the default dispatch is flash too, so the outputs alone cannot tell: the call must also run with
+    # every other backend switched off
+    sdpa, enabled = torch.nn.functional.scaled_dot_product_attention, []
+
+    def spy(*args, **kwargs):
+        backends = ("flash", "math", "mem_efficient", "cudnn")
+        enabled.append({b: getattr(torch.backends.cuda, f"{b}_sdp_enabled")() for b in backends})
+        return sdpa(*args, **kwargs)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    assert torch.equal(sdpa_flash(q, k, v, **options), flash)
+    assert enabled == [{"flash": True, "math": False, "mem_efficient": False, "cudnn": False}]
