@@ -603,7 +603,7 @@ def sdpa_backend(q, k, v, **options) -> str:
 
 
 def sdpa_flash(q, k, v, **options):
-    """SDPA restricted to its flash backend (FlashAttention-2 kernels in PyTorch's CUDA build)."""
+    """SDPA restricted to its flash backend (in PyTorch's CUDA builds FlashAttention-2's kernels by default)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
@@ -613,8 +613,8 @@ def sdpa_flash(q, k, v, **options):
 def bench_attention(dev, quick, results):
     """FP4 attention (issue 12) against PyTorch's SDPA (bf16, causal, GQA): forward and forward + backward ms,
     peak memory.  Two SDPA rows: `sdpa` is the default dispatch (its backend recorded), `sdpa:flash` the flash
-    backend alone (issue 12's yardstick).  hf_fp4 runs nvfp4 Q/K/V/dS with the
-    reference or the Triton flash kernels."""
+    backend alone (issue 12's yardstick).  hf_fp4 runs nvfp4 Q/K/V/dS with the reference or the Triton flash
+    kernels."""
     from hf_fp4.nn.attention import fp4_attention
 
     b, h, hkv, t, d = (1, 4, 2, 64, 32) if quick else (1, 32, 8, 4096, 128)
