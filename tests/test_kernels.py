@@ -427,6 +427,18 @@ FUSED_CASES = [(70, 56, 48, (32, 32, 16, 4, 1, 4, False)), (200, 304, 136, (64, 
                (64, 64, 64, (64, 64, 64, 4, 1, 8, False))]
 
 
+def _exact_sum_gemm_case(m: int, n: int, k: int, seed: int):
+    """BF16 operands a [m, k], b [n, k] whose FP32 sums are exact in any order (|a| <= 1 and |b| <= 2^8 in steps of
+    2^-3 and 2^5: every product and partial sum an integer times 2^2, below 2^24 for k <= 2^12), two FP32 tensor
+    scales, and the fused GEMM's spec on them: BF16(exact product * (s_a * s_b)), one rounding."""
+    g = torch.Generator().manual_seed(seed)
+    a = (torch.randint(-8, 9, (m, k), generator=g).float() * 2.0**-3).bfloat16().to(DEV)
+    b = (torch.randint(-8, 9, (n, k), generator=g).float() * 2.0**5).bfloat16().to(DEV)
+    sa, sb = torch.tensor([0.3712], device=DEV), torch.tensor([1.77e-3], device=DEV)
+    exact = (a.double() @ b.double().t()).float()
+    return a, b, sa, sb, (exact * (sa * sb)).to(torch.bfloat16)
+
+
 @pytest.mark.parametrize("m,n,k,tile", FUSED_CASES, ids=str)
 def test_fused_bf16_gemm_rounds_the_scaled_accumulator_once(m, n, k, tile):
     """kernels/src/bf16_gemm.py: BF16(acc * FP32(s_a * s_b)) with one rounding.  Small-integer operands times
@@ -434,12 +446,7 @@ def test_fused_bf16_gemm_rounds_the_scaled_accumulator_once(m, n, k, tile):
     (exact product * (s_a * s_b)).to(bf16) bit for bit, in every element of every (tail) tile."""
     from hf_fp4.kernels.bf16_gemm import bf16_gemm
 
-    g = torch.Generator().manual_seed(m + n + k)
-    a = (torch.randint(-8, 9, (m, k), generator=g).float() * 2.0**-3).bfloat16().to(DEV)
-    b = (torch.randint(-8, 9, (n, k), generator=g).float() * 2.0**5).bfloat16().to(DEV)
-    sa, sb = torch.tensor([0.3712], device=DEV), torch.tensor([1.77e-3], device=DEV)
-    exact = (a.double() @ b.double().t()).float()  # every value and partial sum is an integer times 2^2
-    expected = (exact * (sa * sb)).to(torch.bfloat16)
+    a, b, sa, sb, expected = _exact_sum_gemm_case(m, n, k, seed=m + n + k)
     got = bf16_gemm(a, b, sa, sb, tile=tile if DEV == "cpu" else None, programs=2)
     assert got.dtype == torch.bfloat16 and got.shape == (m, n)
     assert torch.equal(got.view(torch.int16), expected.view(torch.int16))
@@ -453,12 +460,7 @@ def test_fused_bf16_gemm_rounds_once_at_full_size_on_gpu(m, n, k):
     sums (|products| <= 2^8, k <= 2^12 of them: below FP32's 2^24) make it equal to torch's rounding bit for bit."""
     from hf_fp4.kernels.bf16_gemm import bf16_gemm
 
-    g = torch.Generator(device=DEV).manual_seed(m + n)
-    a = (torch.randint(-8, 9, (m, k), generator=g, device=DEV).float() * 2.0**-3).bfloat16()
-    b = (torch.randint(-8, 9, (n, k), generator=g, device=DEV).float() * 2.0**5).bfloat16()
-    sa, sb = torch.tensor([0.3712], device=DEV), torch.tensor([1.77e-3], device=DEV)
-    exact = torch.mm(a, b.t(), out_dtype=torch.float32)  # exact too: every partial sum is an integer below 2^24
-    expected = (exact * (sa * sb)).to(torch.bfloat16)
+    a, b, sa, sb, expected = _exact_sum_gemm_case(m, n, k, seed=m + n)
     assert torch.equal(bf16_gemm(a, b, sa, sb).view(torch.int16), expected.view(torch.int16))
 
 
@@ -518,15 +520,11 @@ def test_the_bf16_gemm_op_takes_a_misaligned_view_through_torch_mm_with_the_same
     from hf_fp4.kernels.bf16_gemm import aligned, fits
     from hf_fp4.nn.operands import _bf16_gemm_kernels
 
-    g = torch.Generator().manual_seed(9)
-    a = (torch.randint(-8, 9, (48, 64), generator=g).float()).bfloat16().to(DEV)
+    a, b, sa, sb, expected = _exact_sum_gemm_case(48, 40, 64, seed=9)
     store = torch.zeros(48 * 64 + 1, dtype=torch.bfloat16, device=DEV)
     shifted = store[1:].view(48, 64)  # 2 bytes past an aligned start
     shifted.copy_(a)
-    b = (torch.randint(-8, 9, (40, 64), generator=g).float() * 0.5).bfloat16().to(DEV)
-    sa, sb = torch.tensor([0.3712], device=DEV), torch.tensor([1.77e-3], device=DEV)
     assert fits(shifted, b) and not aligned(shifted, b) and aligned(a, b)
-    expected = ((a.double() @ b.double().t()).float() * (sa * sb)).to(torch.bfloat16)
     for operand in (a, shifted):
         assert torch.equal(_bf16_gemm_kernels(operand, b, sa, sb).view(torch.int16), expected.view(torch.int16))
 
