@@ -622,15 +622,17 @@ def attention_tiles(dev: str) -> None:
     q, k, v, do = (torch.randn(b, h, t, d, device=dev, dtype=torch.bfloat16, generator=g) for _ in range(4))
     ops = [tensor_core_operand(x, QuantSpec.preset("nvfp4"), 0) for x in (q, k, v)]
     (qh, kh, vh), decodes = (o[0] for o in ops), torch.stack([o[1] for o in ops])
-    # the default dispatch (cuDNN's kernels where PyTorch prefers them) and the flash backend (issue 12's yardstick);
-    # the ratios below are against the flash backend
+    # the default dispatch (cuDNN's kernels where PyTorch prefers them) and the flash backend (issue 12's yardstick)
     qq, kk, vv = (x.detach().requires_grad_() for x in (q, k, v))
+    sdpa_ms = {}
     for label, attend in ((f"sdpa default ({sdpa_backend(q, k, v, is_causal=True)})",
                            nn.functional.scaled_dot_product_attention), ("sdpa flash", sdpa_flash)):
-        sdpa_f = graph_ms(lambda attend=attend: attend(q, k, v, is_causal=True))
+        fwd = graph_ms(lambda attend=attend: attend(q, k, v, is_causal=True))
         out = attend(qq, kk, vv, is_causal=True)
-        sdpa_b = event_ms(lambda out=out: torch.autograd.grad(out, (qq, kk, vv), do, retain_graph=True), 10)
-        print(f"{label}: fwd {sdpa_f:.3f} ms, bwd {sdpa_b:.3f} ms")
+        bwd = event_ms(lambda out=out: torch.autograd.grad(out, (qq, kk, vv), do, retain_graph=True), 10)
+        sdpa_ms[label] = fwd, bwd
+        print(f"{label}: fwd {fwd:.3f} ms, bwd {bwd:.3f} ms")
+    sdpa_f, sdpa_b = sdpa_ms["sdpa flash"]  # the ratios below are against the flash backend
     spec = QuantSpec.preset("nvfp4")
     o = kernels.flash_forward(qh, kh, vh, None, d ** -0.5, decodes, causal=True)
     # (rows, keys, warps[, pipeline stages: 3 where not given]); session 21's forward runs the tiles before the
