@@ -659,10 +659,43 @@ def bench_attention(dev, quick, results):
         if name == "sdpa":
             row[0] = f"sdpa (default: {default_backend})"
         rows.append(row)
-    return md_table(f"Attention, B{b} H{h} (GQA {hkv}) T{t} D{d}, causal, bf16 inputs (ms waited for; ms of one "
+    text = md_table(f"Attention, B{b} H{h} (GQA {hkv}) T{t} D{d}, causal, bf16 inputs (ms waited for; ms of one "
                     "step captured in a CUDA graph, replayed: GPU time alone; peak GiB)",
                     ["impl", "fwd ms", "fwd captured", "fwd GiB", "fwd+bwd ms", "fwd+bwd captured", "fwd+bwd GiB"],
                     rows)
+    return text + attention_memory(dev, quick, {n: f for n, f in impls.items() if not n.endswith(":reference")},
+                                   results)
+
+
+def attention_memory(dev, quick, impls, results) -> str:
+    """Issue 12's "memory linear in T": the peak memory of one forward + backward above what its inputs hold
+    (GiB; and per 1k tokens, flat when linear) at several T, same heads as bench_attention.  CUDA only (the
+    allocator's peak); the quadratic reference is left out (38.8 GiB at T 4096)."""
+    if dev != "cuda":
+        return "Attention memory by T: CUDA only (the allocator's peak)\n"
+    b, h, hkv, d = (1, 4, 2, 32) if quick else (1, 32, 8, 128)
+    rows = []
+    for t in ((256, 512, 1024) if quick else (2048, 4096, 8192, 16384)):
+        g = torch.Generator(device=dev).manual_seed(0)
+        q, k, v = (torch.randn(b, n, t, d, device=dev, dtype=torch.bfloat16, generator=g) for n in (h, hkv, hkv))
+        row = [t]
+        for name, fn in impls.items():
+            qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            fn(qq, kk, vv).float().square().mean().backward()
+            torch.cuda.synchronize()
+            peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+            results.setdefault("attention_memory", []).append({
+                "shape": f"B{b} H{h}/{hkv} T{t} D{d}", "T": t, "impl": name, "peak_gib": round(peak, 4),
+                "gib_per_1k_tokens": round(peak * 1024 / t, 4)})
+            row.append(f"{peak:.3f} ({peak * 1024 / t:.4f})")
+            del qq, kk, vv
+        rows.append(row)
+    return md_table(f"Attention memory by T, B{b} H{h} (GQA {hkv}) D{d}, causal: peak GiB of one forward + backward "
+                    "above its inputs (GiB per 1k tokens: flat when linear in T)", ["T", *impls], rows)
 
 
 MOE_SHAPE = (64, 8, 2048, 768, 16384)  # experts, top-k, hidden, expert size, tokens: issue 16's layer
