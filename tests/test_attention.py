@@ -430,7 +430,9 @@ def test_compiled_blocks_keep_fp4_attention_in_their_graph():
     compiled, compiled_grads = loss_and_grads()
     assert torch.equal(compiled, eager) and len(compiled_grads) == len(eager_grads) > 0
     assert all(g.isfinite().all() for g in compiled_grads)
-    assert not graph_safe(model) and graph_safe(AutoModelForCausalLM.from_config(tiny_config()))
+    # backend "auto": the flash kernels where CUDA is (graph-safe), the reference elsewhere (it reads the host)
+    assert graph_safe(model) == torch.cuda.is_available()
+    assert graph_safe(AutoModelForCausalLM.from_config(tiny_config()))
     model.config.hf_fp4_attention_backend = "triton"  # the flash kernels, round to nearest: no host read
     assert graph_safe(model)
     sr = {**QuantSpec.preset("nvfp4").to_dict(), "rounding": "stochastic"}

@@ -182,9 +182,10 @@ def test_hf_trainer_with_inductor_on_the_gpu_trains_as_eager(tmp_path):
     """TrainingArguments(torch_compile=True) on CUDA: inductor compiles the converted model (its generated code
     launches the FP4 kernels of the triton_ops) under bf16 autocast, with no graph break attributed to hf_fp4, and
     trains as the eager Trainer does.  Not bit for bit: inductor fuses the norms and the loss in other orders, and
-    a BF16 input one ulp apart may quantize to a neighbouring code; each step's loss within 2% of eager's, while the
-    learning rate moves the eager loss by more than 10% over the run (a wrong GEMM or a lost gradient falls
-    outside)."""
+    a BF16 input one ulp apart may quantize to a neighbouring code.  The first loss (same weights) within 1e-3 of
+    eager's, the second (after one update) within 1e-2, and both runs' losses fall by more than 10% over six steps
+    at a learning rate that makes the later steps chaotic (the H100, 2026-12-07: 2.5-3.3% apart from step 3 on,
+    either way).  A wrong product moves the first loss; a lost or wrong gradient, the second or the fall."""
     from accelerate.state import AcceleratorState
     from torch._dynamo.utils import counters
     from transformers import Trainer, TrainingArguments
@@ -212,7 +213,9 @@ def test_hf_trainer_with_inductor_on_the_gpu_trains_as_eager(tmp_path):
         assert not [r for r in counters["graph_break"] if "hf_fp4" in r or "FP4" in r], dict(counters["graph_break"])
     finally:  # Accelerate keeps the dynamo backend in its per-process state
         AcceleratorState._reset_state()
-    assert all(abs(c - e) <= 0.02 * e for c, e in zip(compiled, eager)), (compiled, eager)
+    assert abs(compiled[0] - eager[0]) <= 1e-3 * eager[0] and abs(compiled[1] - eager[1]) <= 1e-2 * eager[1], (
+        compiled, eager)
+    assert len(compiled) == 6 and compiled[-1] < 0.9 * compiled[0], compiled
 
 
 def test_recipe_round_trips_through_dict_and_yaml():

@@ -541,7 +541,7 @@ def test_fp4linear_on_the_fused_bf16_gemm_compiles_fullgraph_and_equals_eager(na
     torch._dynamo.reset()
     torch.manual_seed(3)
     base = torch.nn.Linear(64, 48, bias=False, dtype=torch.bfloat16)
-    layers = [FP4Linear.from_linear(base, preset(name).linear, name="p") for _ in range(2)]
+    layers = [FP4Linear.from_linear(base, preset(name).linear, name="p").to(DEV) for _ in range(2)]
     layers[1].load_state_dict(layers[0].state_dict())
     for layer in layers:
         layer.backend = "triton"

@@ -455,3 +455,13 @@ def test_under_cuda_graphs_the_layer_equals_eager(name):
         eager.zero_grad(), graphed.zero_grad()
     assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
     assert eager.sr_calls == graphed.sr_calls == 4
+
+
+def test_an_input_on_another_device_than_the_weight_is_named_as_such():
+    """As nn.Linear, a layer and an input on different devices are refused with both devices named -- not left to
+    a Triton kernel that cannot read a pointer (the GPU suite met that message with a CPU layer and a CUDA input)."""
+    _, layer = make_layer("nvfp4")
+    x, _ = inputs()
+    with pytest.raises(RuntimeError, match=r"FP4Linear layer: the input is on meta and the weight on cpu"):
+        layer(x.to("meta"))
+    assert layer(x).shape == (T, N)  # same device: unchanged
