@@ -263,6 +263,10 @@ class FP4Linear(nn.Linear):
 
     # ------------------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device != self.weight.device:  # nn.Linear's own error, not a kernel's about a pointer it cannot read
+            raise RuntimeError(f"FP4Linear {self.layer_name}: the input is on {x.device} and the weight on "
+                               f"{self.weight.device}; expected all tensors on the same device (move the layer or "
+                               "the input)")
         y = self._sharq_product(x) if self.recipe.activation_scheme == "sharq" else self._fp4_product(x)
         if self.lora_svd_A is not None:
             y = y + lora_svd.low_rank_product(self, x)
@@ -282,10 +286,6 @@ class FP4Linear(nn.Linear):
         return self._product(x)
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device != self.weight.device:  # nn.Linear's own error, not a kernel's about a pointer it cannot read
-            raise RuntimeError(f"FP4Linear {self.layer_name}: the input is on {x.device} and the weight on "
-                               f"{self.weight.device}; expected all tensors on the same device (move the layer or "
-                               "the input)")
         backend = self.resolved_backend(x)
         if backend == "triton" and self._frozen_fast(x):
             return self._frozen_product(x)
