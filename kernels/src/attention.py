@@ -32,7 +32,9 @@ from .numerics import quantize_tile, round_to_bf16, tensor_encode_scale
 #: (benchmarks/gpu/attention-tiles-2026-12-06-session27.txt) the defaults stay the fastest: forward 64 x 32 x 4 0.419 ms
 #: (64 x 64 x 4: 0.455, 128 x 32 x 8: 0.475, 128 x 128 x 8: 0.486; 2 or 4 stages slower), backward 64 x 32 x 4 3.43 ms
 #: (32 x 64 x 4: 5.31, 64 x 32 x 8: 6.13) against SDPA's default dispatch, 0.255 / 0.810 ms (a tile argument may give the
-#: pipeline stages: (rows, keys, warps, stages)).
+#: pipeline stages: (rows, keys, warps, stages)).  Session 28 computes phase 3's tile transposed (S^T = K^ Q^T, the key
+#: tile loaded once): ptxas (Triton 3.9 here, sm_90a; scripts/kernel_registers.py) reports 80 B of spill stores at
+#: 64 x 32 x 4 (508 before) and none at 64 x 32 x 8 (128 before) -- not yet timed on a GPU: retime the backward tiles.
 #: Every launch compiles with enable_fp_fusion=False: each product and sum is rounded on its own, as the
 #: reference (and the interpreter) round them.  With FMA contraction on, the code around the mask decides which
 #: multiply-adds fuse.  causal=True and the equivalent tril keep-mask still differ in low bits on the H200
@@ -422,13 +424,19 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, dec_ptr, do_ptr, delta_ptr, lse_ptr, stat_pt
 
 
 @triton.jit
-def _dkdv_step(dk, dv, start, pid, pid_bh, cols, v, q_ptr, do_ptr, lse_ptr, delta_ptr, k_ptr, kb, qb, keep_ptr, mb,
+def _dkdv_step(dk, dv, start, pid, pid_bh, cols, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, qb, keep_ptr, mb,
                stat_ptr, seed, d, TQ, TK, TQ_ROWS, TK_ROWS, KP_Q, KP_K, sm_q, sm_k, s_scale, dec_v,
                BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, HAS_KEEP: tl.constexpr, CAUSAL: tl.constexpr,
                QUANT: tl.constexpr, SQUARE: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, GRID: tl.constexpr,
                QMAX: tl.constexpr, QM: tl.constexpr, QE: tl.constexpr, EMAX: tl.constexpr, SCALE: tl.constexpr,
                SR: tl.constexpr, TC: tl.constexpr, INTERPRETED: tl.constexpr, MASKED: tl.constexpr):
-    """One query tile of phase 3: dV += bf16(P)^T dO, dK += Q_queries(dS)^T Q^ (or the 2D tile's)."""
+    """One query tile of phase 3: dV += bf16(P)^T dO, dK += Q_queries(dS)^T Q^ (or the 2D tile's).  With 1D dS
+    blocks (or none) the tile is computed transposed, keys as rows (S^T = K^ Q^T [BN, BM], as FlashAttention-2's
+    dK / dV loop): P^T and dS^T enter the dV and dK products and dS^T's blocks along queries are its rows' -- no
+    register transposes (ptxas, sm_90a, 64 x 32 x 4: 80 B of spill stores against 508 in phase 2's orientation,
+    scripts/kernel_registers.py).  Each element is the same dot product over D as phase 2's S = Q^ K^T (the
+    operands' roles swapped), so both phases quantize the same dS.  A 2D-tile dS keeps phase 2's orientation (its
+    quantization and SR coordinates are that tile's; transposing dS^T back spilled 42 KB)."""
     rows = start + tl.arange(0, BM)
     if MASKED:
         q = tl.load(q_ptr + qb + rows[:, None] * D + d[None, :], mask=rows[:, None] < TQ, other=0.0)
@@ -440,21 +448,39 @@ def _dkdv_step(dk, dv, start, pid, pid_bh, cols, v, q_ptr, do_ptr, lse_ptr, delt
         do = tl.load(do_ptr + qb + rows[:, None] * D + d[None, :])
         lse = tl.load(lse_ptr + pid_bh * TQ + rows)
         delta = tl.load(delta_ptr + pid_bh * TQ + rows)
-    s, k = _scores(q, k_ptr, kb, cols, d, D, TK, keep_ptr, mb, rows, sm_q, sm_k, TQ, s_scale, HAS_KEEP,
-                   CAUSAL, TC, INTERPRETED, MASKED)
-    p, ds = _probs_and_ds(s, lse, do, v, delta, dec_v, TC, INTERPRETED)
-    dv += _dot(tl.trans(_bf16_values(p, TC, INTERPRETED)), do, TC, INTERPRETED)
-    if QUANT:
-        if SQUARE:  # one 2D-tile quantization serves both GEMMs
-            vals, vals_dec = quantize_tile(ds, stat_ptr, seed, pid_bh * TQ_ROWS + rows, pid * BN, KP_Q, BM, BN,
-                                           BR, BC, GRID, QMAX, QM, QE, EMAX, SCALE, SR)
-            dk += _dot(tl.trans(vals), q, TC, INTERPRETED)
-        else:  # along queries: rows of the flattened [B H TK_ROWS, KP_K] matrix of dS^T, seed + 1
-            vals, vals_dec = quantize_tile(tl.trans(ds), stat_ptr, seed + 1, pid_bh * TK_ROWS + cols, start,
-                                           KP_K, BN, BM, BR, BC, GRID, QMAX, QM, QE, EMAX, SCALE, SR)
-            dk += _dot(vals, q, TC, INTERPRETED)
+    if SQUARE:  # one 2D-tile quantization serves both GEMMs: the tile in phase 2's orientation, as it quantizes it
+        s = _dot(q, tl.trans(k), TC, INTERPRETED) * s_scale
+        if MASKED:
+            valid = _valid(rows, cols, TQ, TK, CAUSAL)
+            if HAS_KEEP:
+                valid = valid & (tl.load(keep_ptr + mb + rows[:, None] * sm_q + cols[None, :] * sm_k, mask=valid,
+                                         other=0) != 0)
+            s = tl.where(valid, s, float("-inf"))
+        p, ds = _probs_and_ds(s, lse, do, v, delta, dec_v, TC, INTERPRETED)
+        dv += _dot(tl.trans(_bf16_values(p, TC, INTERPRETED)), do, TC, INTERPRETED)
+        vals, vals_dec = quantize_tile(ds, stat_ptr, seed, pid_bh * TQ_ROWS + rows, pid * BN, KP_Q, BM, BN,
+                                       BR, BC, GRID, QMAX, QM, QE, EMAX, SCALE, SR)
+        dk += _dot(tl.trans(vals), q, TC, INTERPRETED)
+        return dk, dv
+    st = _dot(k, tl.trans(q), TC, INTERPRETED) * s_scale  # S^T [BN, BM]
+    if MASKED:
+        valid = (cols[:, None] < TK) & (rows[None, :] < TQ)
+        if CAUSAL:
+            valid = valid & (cols[:, None] <= rows[None, :])
+        if HAS_KEEP:
+            keep = tl.load(keep_ptr + mb + rows[None, :] * sm_q + cols[:, None] * sm_k, mask=valid, other=0)
+            valid = valid & (keep != 0)
+        st = tl.where(valid, st, float("-inf"))
+    live = lse != float("inf")  # as _probs_and_ds, transposed
+    pt = tl.where((st != float("-inf")) & live[None, :], tl.exp(st - tl.where(live, lse, 0.0)[None, :]), 0.0)
+    dst = pt * (_dot(v, tl.trans(do), TC, INTERPRETED) * dec_v - delta[None, :])
+    dv += _dot(_bf16_values(pt, TC, INTERPRETED), do, TC, INTERPRETED)
+    if QUANT:  # along queries: rows of the flattened [B H TK_ROWS, KP_K] matrix of dS^T, seed + 1
+        vals, vals_dec = quantize_tile(dst, stat_ptr, seed + 1, pid_bh * TK_ROWS + cols, start, KP_K, BN, BM,
+                                       BR, BC, GRID, QMAX, QM, QE, EMAX, SCALE, SR)
+        dk += _dot(vals, q, TC, INTERPRETED)
     else:
-        dk += _dot(tl.trans(ds), q, False, INTERPRETED)
+        dk += _dot(dst, q, False, INTERPRETED)
     return dk, dv
 
 
@@ -475,23 +501,24 @@ def _dkdv_kernel(q_ptr, k_ptr, v_ptr, dec_ptr, do_ptr, delta_ptr, lse_ptr, stat_
     qb, kb, mb = pid_bh * TQ * D, _kv_offset(b, h, H, G, TK, D), b * sm_b + h * sm_h
     ob = pid_bh * TK * D  # dK, dV per query head [B H TK D]: summed over each group after
     cols = pid * BN + tl.arange(0, BN)
+    k = tl.load(k_ptr + kb + cols[:, None] * D + d[None, :], mask=cols[:, None] < TK, other=0.0)
     v = tl.load(v_ptr + kb + cols[:, None] * D + d[None, :], mask=cols[:, None] < TK, other=0.0)
     dk = tl.zeros([BN, D], tl.float32)
     dv = tl.zeros([BN, D], tl.float32)
     # query blocks in order: masked [start, lo) (the causal diagonal), unmasked [lo, hi), masked [hi, TQ)
     lo, hi = _full_queries(pid, BM, BN, TQ, TK, HAS_KEEP, CAUSAL)
     for start in range(_query_start(pid, BM, BN, CAUSAL), lo, BM):
-        dk, dv = _dkdv_step(dk, dv, start, pid, pid_bh, cols, v, q_ptr, do_ptr, lse_ptr, delta_ptr, k_ptr, kb, qb,
+        dk, dv = _dkdv_step(dk, dv, start, pid, pid_bh, cols, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, qb,
                             keep_ptr, mb, stat_ptr, seed, d, TQ, TK, TQ_ROWS, TK_ROWS, KP_Q, KP_K, sm_q, sm_k,
                             s_scale, dec_v, BM, BN, D, HAS_KEEP, CAUSAL, QUANT, SQUARE, BR, BC, GRID, QMAX, QM, QE,
                             EMAX, SCALE, SR, TC, INTERPRETED, True)
     for start in range(lo, hi, BM):
-        dk, dv = _dkdv_step(dk, dv, start, pid, pid_bh, cols, v, q_ptr, do_ptr, lse_ptr, delta_ptr, k_ptr, kb, qb,
+        dk, dv = _dkdv_step(dk, dv, start, pid, pid_bh, cols, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, qb,
                             keep_ptr, mb, stat_ptr, seed, d, TQ, TK, TQ_ROWS, TK_ROWS, KP_Q, KP_K, sm_q, sm_k,
                             s_scale, dec_v, BM, BN, D, HAS_KEEP, CAUSAL, QUANT, SQUARE, BR, BC, GRID, QMAX, QM, QE,
                             EMAX, SCALE, SR, TC, INTERPRETED, False)
     for start in range(hi, TQ, BM):
-        dk, dv = _dkdv_step(dk, dv, start, pid, pid_bh, cols, v, q_ptr, do_ptr, lse_ptr, delta_ptr, k_ptr, kb, qb,
+        dk, dv = _dkdv_step(dk, dv, start, pid, pid_bh, cols, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, qb,
                             keep_ptr, mb, stat_ptr, seed, d, TQ, TK, TQ_ROWS, TK_ROWS, KP_Q, KP_K, sm_q, sm_k,
                             s_scale, dec_v, BM, BN, D, HAS_KEEP, CAUSAL, QUANT, SQUARE, BR, BC, GRID, QMAX, QM, QE,
                             EMAX, SCALE, SR, TC, INTERPRETED, True)
