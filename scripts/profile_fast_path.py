@@ -634,7 +634,7 @@ def attention_tiles(dev: str) -> None:
         print(f"{label}: fwd {fwd:.3f} ms, bwd {bwd:.3f} ms")
     sdpa_f, sdpa_b = sdpa_ms["sdpa flash"]  # the ratios below are against the flash backend
     spec = QuantSpec.preset("nvfp4")
-    o = kernels.flash_forward(qh, kh, vh, None, d ** -0.5, decodes, causal=True)
+    o, lse = kernels.flash_forward(qh, kh, vh, None, d ** -0.5, decodes, causal=True, return_lse=True)
     # (rows, keys, warps[, pipeline stages: 3 where not given]); session 21's forward runs the tiles before the
     # causal diagonal unmasked and accumulates P V in the MMA's accumulator, so the larger tiles are worth retiming
     for tile in ((64, 32, 4), (64, 32, 4, 2), (64, 32, 4, 4), (64, 64, 4), (64, 64, 4, 4), (128, 32, 8),
@@ -644,12 +644,17 @@ def attention_tiles(dev: str) -> None:
             print(f"fwd {tile}: {ms:.3f} ms ({sdpa_f / ms:.2f}x sdpa)", flush=True)
         except Exception as err:  # noqa: BLE001 - a tile the GPU cannot run
             print(f"fwd {tile}: {type(err).__name__} {str(err)[:120]}", flush=True)
-    # (64, 32, 8): the dK / dV kernel spills at 64 x 32 with 4 warps (255 registers + ~216 B of stack, sm_90)
-    for tile in ((32, 32, 4), (32, 64, 4), (64, 32, 4), (64, 32, 4, 2), (64, 32, 8), (64, 32, 8, 2), (64, 64, 8)):
+    # the backward as fp4_attention runs it (the forward's log-sum-exp: phases 1-3), one tile for every phase, then
+    # the dK / dV phase (3) and the dS-amax / dQ phases (1, 2) on tiles of their own (session 28: the dK / dV kernel
+    # computes its tile transposed; ptxas: 80 B of spill stores at 64 x 32 x 4, none at 64 x 32 x 8)
+    tiles = [(32, 32, 4), (64, 32, 4), (64, 32, 4, 2), (64, 32, 8), (64, 64, 8)]
+    tiles += [{3: t} for t in ((64, 32, 8), (64, 64, 8), (32, 64, 4), (128, 32, 8), (64, 64, 4))]
+    tiles += [{1: t, 2: t} for t in ((64, 64, 4), (64, 64, 8), (128, 32, 8), (128, 64, 8))]
+    for tile in tiles:
         try:
             ms = event_ms(lambda: kernels.flash_backward(qh, kh, vh, o, do, None, d ** -0.5, spec, 3, decodes, tile,
-                                                         causal=True), 5)
-            print(f"bwd {tile}: {ms:.3f} ms ({sdpa_b / ms:.2f}x sdpa)", flush=True)
+                                                         causal=True, lse=lse), 5)
+            print(f"bwd {tile}: {ms:.3f} ms ({sdpa_b / ms:.2f}x sdpa flash)", flush=True)
         except Exception as err:  # noqa: BLE001
             print(f"bwd {tile}: {type(err).__name__} {str(err)[:120]}", flush=True)
 

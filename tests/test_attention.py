@@ -294,6 +294,47 @@ def test_the_flash_kernels_read_grouped_key_heads_without_expanding_them(tensor_
         assert torch.equal(grouped, expanded)
 
 
+@pytest.mark.parametrize("tensor_cores", [False, True])
+def test_each_backward_phase_runs_on_a_tile_of_its_own(tensor_cores):
+    """flash_backward(tile={phase: tile}): the dS amax, dQ and dK / dV phases launch on tiles of their own and quantize
+    the same dS as with one tile for all -- dQ and dK equal the one-tile run's within FP32 accumulation over keys /
+    queries (the tiles only reorder the sums), dV likewise; a phase number outside 0-3 is refused."""
+    from hf_fp4.nn.attention import _ds_operands, tensor_core_operand
+    from hf_fp4.kernels.attention import flash_backward, flash_forward
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(6)
+    t = 80
+    q, k, v, do = (torch.randn(1, 2, t, D, generator=g) for _ in range(4))
+    decodes = None
+    if tensor_cores:
+        ops = [tensor_core_operand(x, QuantSpec.preset("nvfp4"), 0) for x in (q, k, v)]
+        (q, k, v), decodes = (o[0] for o in ops), torch.stack([o[1] for o in ops]).to(dev)
+        do = do.to(torch.bfloat16)
+    spec = QuantSpec.preset("nvfp4")
+    args = [x.to(dev) for x in (q, k, v)]
+    out, lse = flash_forward(*args, None, D ** -0.5, decodes, (16, 16), True, return_lse=True)
+
+    def grads(tile):
+        return [x.cpu().double() for x in flash_backward(*args, out, do.to(dev), None, D ** -0.5, spec, 9, decodes,
+                                                         tile, debug=True, causal=True, lse=lse)]
+
+    one = grads((32, 16))
+    own = grads({1: (16, 32), 2: (64, 16), 3: (16, 64)})
+    assert torch.equal(one[3], own[3]) or (one[3] - own[3]).abs().max() <= 1e-6 * one[3].abs().max()  # dS itself
+    ds_keys, ds_queries = (x.double() for x in _ds_operands(one[3].float(), spec, 9))
+    values = [x.cpu().double() * (dec if decodes is not None else 1) for x, dec in
+              zip((q, k, v), decodes.cpu() if decodes is not None else (1, 1, 1))]
+    fp32 = 2 * (t * 2.0**-24 + 2.0**-21)  # both runs' accumulation error
+    for got, want, bound in ((own[0], one[0], ds_keys.abs() @ values[1].abs() * D ** -0.5),
+                             (own[1], one[1], ds_queries.abs().transpose(-1, -2) @ values[0].abs() * D ** -0.5),
+                             (own[2], one[2], one[2].abs() + 1.0)):
+        assert torch.all((got - want).abs() <= fp32 * bound + 1e-30)
+    assert not torch.equal(one[0], torch.zeros_like(one[0]))
+    with pytest.raises(ValueError, match="phases are 0, 1, 2, 3"):
+        flash_backward(*args, out, do.to(dev), None, D ** -0.5, spec, 9, decodes, {4: (16, 16)}, causal=True, lse=lse)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fp4_attention_on_the_triton_backend_matches_the_reference(dtype):
     """fp4_attention(backend="triton"): the flash kernels' output and gradients match the reference path's

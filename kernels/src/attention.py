@@ -527,15 +527,18 @@ def _dkdv_kernel(q_ptr, k_ptr, v_ptr, dec_ptr, do_ptr, delta_ptr, lse_ptr, stat_
 
 
 def flash_backward(qh, kh, vh, out, d_out, keep, scale: float, ds_spec, seed: int, decodes: torch.Tensor | None = None,
-                   tile: tuple[int, ...] | None = None, debug: bool = False, causal: bool = False,
-                   lse: torch.Tensor | None = None):
+                   tile: tuple[int, ...] | dict[int, tuple[int, ...]] | None = None, debug: bool = False,
+                   causal: bool = False, lse: torch.Tensor | None = None):
     """dQ, dK, dV in FP32, all [B, H, T, D] (dK, dV per query head: a key head's gradient is the sum over its G
     query heads) of hf_fp4.nn.attention's backward, from the saved Q^, K^, V^
     (FP32 values, or exact BF16 values with their tensor `decodes` [3] as flash_forward takes them), the forward
     output and dO; ds_spec: dS's QuantSpec (None: high precision).  The tensor cores run every GEMM when the
     operands are BF16 and so is dO (products exact, FP32 sums; tensor scales applied after); otherwise IEEE FP32
     dots.  causal: as flash_forward's.  debug: also the unquantized dS [B, H, TQ, TK] the kernels computed (tests).
-    lse: the forward's log-sum-exp (flash_forward(..., return_lse=True)); None: recomputed (phase 0)."""
+    lse: the forward's log-sum-exp (flash_forward(..., return_lse=True)); None: recomputed (phase 0).
+    tile: one tile for every phase, or {phase: tile} (phases 0-3, see above; a phase not named takes the default):
+    the phases' tiles are independent -- dS is quantized in 16-wide blocks and its SR noise drawn by coordinates, so
+    each phase's dS is the same whatever tile computes it."""
     from hf_fp4.numerics.formats import Grid
     from hf_fp4.numerics.scales import ScaleRule
     from hf_fp4.numerics.spec import Rounding
@@ -572,13 +575,20 @@ def flash_backward(qh, kh, vh, out, d_out, keep, scale: float, ds_spec, seed: in
         mask_strides = keep_t.stride()
     else:
         keep_t, mask_strides = torch.empty(1, dtype=torch.int8, device=dev), (0, 0, 0, 0)
-    bm, bn, warps, stages = _tile(tile, BACKWARD_TILE if tc else IEEE_TILE)
+    default = BACKWARD_TILE if tc else IEEE_TILE
+    if isinstance(tile, dict):
+        if unknown := sorted(set(tile) - {0, 1, 2, 3}):
+            raise ValueError(f"flash_backward: tiles for phases {unknown}; the phases are 0, 1, 2, 3")
+        tiles = {phase: _tile(tile.get(phase), default) for phase in range(4)}
+    else:
+        tiles = dict.fromkeys(range(4), _tile(tile, default))
     quant = dict(QUANT=False, SQUARE=False, BR=1, BC=16, **grid_constants(Grid.E2M1), SCALE=0, SR=False)
     rows_q, rows_k, kp_q, kp_k = tq, tk, tk, tq
     if ds_spec is not None:
         br, bc = ds_spec.block
-        if bm % max(br, bc) or bn % max(br, bc) or ds_spec.scale is ScaleRule.FP32:
-            raise ValueError(f"flash_backward: dS spec {ds_spec} does not fit {bm}x{bn} tiles")
+        for bm, bn, *_ in tiles.values():
+            if bm % max(br, bc) or bn % max(br, bc) or ds_spec.scale is ScaleRule.FP32:
+                raise ValueError(f"flash_backward: dS spec {ds_spec} does not fit {bm}x{bn} tiles")
         quant = dict(QUANT=True, SQUARE=br == bc, BR=br, BC=bc, **grid_constants(ds_spec.grid),
                      SCALE=SCALE_CODES[ds_spec.scale], SR=ds_spec.rounding is Rounding.STOCHASTIC)
         rows_q, rows_k = tq + (-tq % br), tk + (-tk % br)  # quantize_rows pads each matrix's rows to the block
@@ -588,13 +598,14 @@ def flash_backward(qh, kh, vh, out, d_out, keep, scale: float, ds_spec, seed: in
     args = (qh, kh, vh, decodes.float().contiguous(), do, delta, lse, stat, keep_t, dq, dk, dv, dbg, seed, heads,
             groups, tq, tk, rows_q, rows_k, kp_q, kp_k,
             float(scale), *mask_strides)
-    consts = dict(BM=bm, BN=bn, D=dim, HAS_KEEP=keep is not None, CAUSAL=causal, DEBUG=debug, TC=tc, INTERPRETED=not qh.is_cuda,
+    consts = dict(D=dim, HAS_KEEP=keep is not None, CAUSAL=causal, DEBUG=debug, TC=tc, INTERPRETED=not qh.is_cuda,
                   **quant)
     if quant["QUANT"] and quant["SCALE"] == 2:  # dS's tensor amax first
         phases.insert(phases.index(2), 1)
     kernels = {0: _lse_kernel, 1: _dq_kernel, 2: _dq_kernel, 3: _dkdv_kernel}
     for phase in phases:
+        bm, bn, warps, stages = tiles[phase]
         grid = (triton.cdiv(tk, bn) if phase == 3 else triton.cdiv(tq, bm), bsz * heads)
-        launcher(kernels[phase])[grid](*args, PHASE=phase, num_warps=warps, num_stages=stages, enable_fp_fusion=False,
-                                       **consts)
+        launcher(kernels[phase])[grid](*args, PHASE=phase, BM=bm, BN=bn, num_warps=warps, num_stages=stages,
+                                       enable_fp_fusion=False, **consts)
     return (dq, dk, dv, dbg) if debug else (dq, dk, dv)
