@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""What the operand and stats kernels compile to for Hopper, read on the CPU (no device time): per variant, the
+"""What the operand, stats, grouped-GEMM and attention-backward kernels compile to for Hopper, read on the CPU (no
+device time): per variant, the
 tile, the TTGIR layout conversions (each a round trip through shared memory), the shared memory, the barriers,
 the registers and stack of the sm_90 cubin, its SASS instructions per tile element a thread holds (a static count:
 a loop body once, so an upper bound on straight-line kernels' issue work and a lower one where a program walks
@@ -29,9 +30,9 @@ from pathlib import Path
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from hopper_compile import (GROUPED_OPERAND_CASES, OPERAND_CASES, compile_for_hopper,  # noqa: E402
-                            group_stats_kernel_args, grouped_gemm_cases, operand_kernel_args, operand_plan,
-                            stats_kernel_args)
+from hopper_compile import (GROUPED_OPERAND_CASES, OPERAND_CASES, backward_cases,  # noqa: E402
+                            compile_for_hopper, group_stats_kernel_args, grouped_gemm_cases, operand_kernel_args,
+                            operand_plan, stats_kernel_args)
 
 from hf_fp4.kernels import operand as K  # noqa: E402
 
@@ -85,6 +86,16 @@ def variants():
             yield f"grouped-stats {label}", K._group_stats_kernel, *group_stats_kernel_args(a, b)
     for label, kernel, types, constexprs, warps, divisible in grouped_gemm_cases():
         yield label, kernel, types, constexprs, warps, divisible
+    # the flash-attention backward's dS-amax, dQ and dK / dV phases on the tensor cores, per tile (flash_backward
+    # takes a tile per phase): a stack frame is spilled registers
+    for label, kernel, types, constexprs, _ in backward_cases():
+        if "-tc1" in label and constexprs["PHASE"] > 0:
+            for rows, keys, warps in ATTENTION_TILES:
+                yield f"{label} {rows}x{keys}", kernel, types, {**constexprs, "BM": rows, "BN": keys}, warps, ()
+
+
+#: (queries, keys, warps) of the backward phases' tiles the report compiles
+ATTENTION_TILES = ((64, 32, 4), (64, 32, 8), (64, 64, 8), (128, 32, 8))
 
 
 def main():
@@ -106,7 +117,8 @@ def main():
             (Path(args.out) / f"{label.replace(' ', '-')}.ptx").write_text(ptx)
             (Path(args.out) / f"{label.replace(' ', '-')}.ttgir").write_text(ttgir)
         regs, stack = resources(compiled.asm["cubin"])
-        rows, cols = (constexprs["BR"], constexprs["BC"]) if "BR" in constexprs else (constexprs["BM"], constexprs["BN"])
+        rows, cols = ((constexprs["BR"], constexprs["BC"]) if "BR" in constexprs and not label.startswith("bwd")
+                      else (constexprs["BM"], constexprs["BN"]))
         mix = sass_mix(compiled.asm["cubin"])
         per_element = sum(mix.values()) / (rows * cols / (warps * 32))  # static count over a tile's elements a thread
         print(f"| {label} | {rows}x{cols}, {warps} | {ttgir.count('ttg.convert_layout')} | "

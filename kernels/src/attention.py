@@ -33,8 +33,9 @@ from .numerics import quantize_tile, round_to_bf16, tensor_encode_scale
 #: (64 x 64 x 4: 0.455, 128 x 32 x 8: 0.475, 128 x 128 x 8: 0.486; 2 or 4 stages slower), backward 64 x 32 x 4 3.43 ms
 #: (32 x 64 x 4: 5.31, 64 x 32 x 8: 6.13) against SDPA's default dispatch, 0.255 / 0.810 ms (a tile argument may give the
 #: pipeline stages: (rows, keys, warps, stages)).  Session 28 computes phase 3's tile transposed (S^T = K^ Q^T, the key
-#: tile loaded once): ptxas (Triton 3.9 here, sm_90a; scripts/kernel_registers.py) reports 80 B of spill stores at
-#: 64 x 32 x 4 (508 before) and none at 64 x 32 x 8 (128 before) -- not yet timed on a GPU: retime the backward tiles.
+#: tile loaded once): compiled here for sm_90 (Triton 3.9, `scripts/ptx_report.py --only bwd3`) its stack (spilled
+#: registers) fell from 216 to 16 B at 64 x 32 x 4 and from 136 B to none at 64 x 32 x 8 (180 registers, from 255) --
+#: not yet timed on a GPU: retime the backward tiles (flash_backward takes a tile per phase).
 #: Every launch compiles with enable_fp_fusion=False: each product and sum is rounded on its own, as the
 #: reference (and the interpreter) round them.  With FMA contraction on, the code around the mask decides which
 #: multiply-adds fuse.  causal=True and the equivalent tril keep-mask still differ in low bits on the H200
@@ -433,8 +434,7 @@ def _dkdv_step(dk, dv, start, pid, pid_bh, cols, k, v, q_ptr, do_ptr, lse_ptr, d
     """One query tile of phase 3: dV += bf16(P)^T dO, dK += Q_queries(dS)^T Q^ (or the 2D tile's).  With 1D dS
     blocks (or none) the tile is computed transposed, keys as rows (S^T = K^ Q^T [BN, BM], as FlashAttention-2's
     dK / dV loop): P^T and dS^T enter the dV and dK products and dS^T's blocks along queries are its rows' -- no
-    register transposes (ptxas, sm_90a, 64 x 32 x 4: 80 B of spill stores against 508 in phase 2's orientation,
-    scripts/kernel_registers.py).  Each element is the same dot product over D as phase 2's S = Q^ K^T (the
+    register transposes (sm_90, 64 x 32 x 4: a 16 B stack against 216 in phase 2's orientation, scripts/ptx_report.py).  Each element is the same dot product over D as phase 2's S = Q^ K^T (the
     operands' roles swapped), so both phases quantize the same dS.  A 2D-tile dS keeps phase 2's orientation (its
     quantization and SR coordinates are that tile's; transposing dS^T back spilled 42 KB)."""
     rows = start + tl.arange(0, BM)
