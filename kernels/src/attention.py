@@ -434,9 +434,11 @@ def _dkdv_step(dk, dv, start, pid, pid_bh, cols, k, v, q_ptr, do_ptr, lse_ptr, d
     """One query tile of phase 3: dV += bf16(P)^T dO, dK += Q_queries(dS)^T Q^ (or the 2D tile's).  With 1D dS
     blocks (or none) the tile is computed transposed, keys as rows (S^T = K^ Q^T [BN, BM], as FlashAttention-2's
     dK / dV loop): P^T and dS^T enter the dV and dK products and dS^T's blocks along queries are its rows' -- no
-    register transposes (sm_90, 64 x 32 x 4: a 16 B stack against 216 in phase 2's orientation, scripts/ptx_report.py).  Each element is the same dot product over D as phase 2's S = Q^ K^T (the
-    operands' roles swapped), so both phases quantize the same dS.  A 2D-tile dS keeps phase 2's orientation (its
-    quantization and SR coordinates are that tile's; transposing dS^T back spilled 42 KB)."""
+    register transposes (sm_90, 64 x 32 x 4: a 16 B stack against 216 in phase 2's orientation; scripts/
+    ptx_report.py).  Each element is the same dot product over D as phase 2's S = Q^ K^T (the operands' roles
+    swapped), so both phases quantize the same dS (the GPU suite's backward test checks it on the tensor cores).  A
+    2D-tile dS keeps phase 2's orientation (its quantization and SR coordinates are that tile's; transposing dS^T
+    back in registers made ptxas spill 42 KB)."""
     rows = start + tl.arange(0, BM)
     if MASKED:
         q = tl.load(q_ptr + qb + rows[:, None] * D + d[None, :], mask=rows[:, None] < TQ, other=0.0)
@@ -537,8 +539,9 @@ def flash_backward(qh, kh, vh, out, d_out, keep, scale: float, ds_spec, seed: in
     dots.  causal: as flash_forward's.  debug: also the unquantized dS [B, H, TQ, TK] the kernels computed (tests).
     lse: the forward's log-sum-exp (flash_forward(..., return_lse=True)); None: recomputed (phase 0).
     tile: one tile for every phase, or {phase: tile} (phases 0-3, see above; a phase not named takes the default):
-    the phases' tiles are independent -- dS is quantized in 16-wide blocks and its SR noise drawn by coordinates, so
-    each phase's dS is the same whatever tile computes it."""
+    the phases' tiles are independent -- dS is quantized in 16-wide blocks and its SR noise drawn by coordinates, and
+    each element is the same dot product over D whatever tile computes it (on the tensor cores the GPU suite's
+    tests check that the phases agree)."""
     from hf_fp4.numerics.formats import Grid
     from hf_fp4.numerics.scales import ScaleRule
     from hf_fp4.numerics.spec import Rounding
