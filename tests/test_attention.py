@@ -261,6 +261,17 @@ def test_the_flash_backward_quantizes_its_ds_as_the_spec_and_makes_the_spec_grad
         assert not within(dq, dbg * scale, kh.double())
 
 
+def kernel_inputs(q, k, v, do, tensor_cores, dev):
+    """(Q, K, V, dO, decodes) as the flash kernels take them: on the tensor cores' path NVFP4 operands as exact BF16
+    values with their tensor decodes [3] (on dev) and a BF16 dO; otherwise the FP32 tensors and no decodes."""
+    from hf_fp4.nn.attention import tensor_core_operand
+
+    if not tensor_cores:
+        return q, k, v, do, None
+    ops = [tensor_core_operand(x, QuantSpec.preset("nvfp4"), 0) for x in (q, k, v)]
+    return (*(o[0] for o in ops), do.to(torch.bfloat16), torch.stack([o[1] for o in ops]).to(dev))
+
+
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("tensor_cores", [False, True])
 def test_the_flash_kernels_read_grouped_key_heads_without_expanding_them(tensor_cores, causal):
@@ -268,17 +279,12 @@ def test_the_flash_kernels_read_grouped_key_heads_without_expanding_them(tensor_
     same tensors expanded to H heads (each query head reads its group's key head; nothing is copied).
     fp4_attention sums dK, dV over each group (test_fp4_attention_on_the_triton_backend_matches_the_reference,
     GQA, against the reference's)."""
-    from hf_fp4.nn.attention import tensor_core_operand
     from hf_fp4.kernels.attention import flash_backward, flash_forward
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(4)
-    q, k, v, do = (torch.randn(B, h, T, D, generator=g) for h in (H, HKV, HKV, H))
-    decodes = None
-    if tensor_cores:
-        ops = [tensor_core_operand(x, QuantSpec.preset("nvfp4"), 0) for x in (q, k, v)]
-        (q, k, v), decodes = (o[0] for o in ops), torch.stack([o[1] for o in ops]).to(dev)
-        do = do.to(torch.bfloat16)
+    q, k, v, do, decodes = kernel_inputs(*(torch.randn(B, h, T, D, generator=g) for h in (H, HKV, HKV, H)),
+                                         tensor_cores, dev)
     keep = None if causal else torch.rand(B, 1, T, T, generator=g) > 0.3
     keep_d = keep.to(dev) if keep is not None else None
     spec = QuantSpec.preset("nvfp4")
@@ -299,18 +305,13 @@ def test_each_backward_phase_runs_on_a_tile_of_its_own(tensor_cores):
     """flash_backward(tile={phase: tile}): the dS amax, dQ and dK / dV phases launch on tiles of their own and quantize
     the same dS as with one tile for all -- dQ and dK equal the one-tile run's within FP32 accumulation over keys /
     queries (the tiles only reorder the sums), dV likewise; a phase number outside 0-3 is refused."""
-    from hf_fp4.nn.attention import _ds_operands, tensor_core_operand
+    from hf_fp4.nn.attention import _ds_operands
     from hf_fp4.kernels.attention import flash_backward, flash_forward
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(6)
     t = 80
-    q, k, v, do = (torch.randn(1, 2, t, D, generator=g) for _ in range(4))
-    decodes = None
-    if tensor_cores:
-        ops = [tensor_core_operand(x, QuantSpec.preset("nvfp4"), 0) for x in (q, k, v)]
-        (q, k, v), decodes = (o[0] for o in ops), torch.stack([o[1] for o in ops]).to(dev)
-        do = do.to(torch.bfloat16)
+    q, k, v, do, decodes = kernel_inputs(*(torch.randn(1, 2, t, D, generator=g) for _ in range(4)), tensor_cores, dev)
     spec = QuantSpec.preset("nvfp4")
     args = [x.to(dev) for x in (q, k, v)]
     out, lse = flash_forward(*args, None, D ** -0.5, decodes, (16, 16), True, return_lse=True)
