@@ -610,6 +610,14 @@ def sdpa_flash(q, k, v, **options):
         return nn.functional.scaled_dot_product_attention(q, k, v, **options)
 
 
+def attention_inputs(dev, quick, t):
+    """((batch, heads, key heads, head_dim), (q, k, v)): the attention parts' bf16 inputs of T tokens, seeded."""
+    b, h, hkv, d = (1, 4, 2, 32) if quick else (1, 32, 8, 128)
+    g = torch.Generator(device=dev).manual_seed(0)
+    return (b, h, hkv, d), tuple(torch.randn(b, n, t, d, device=dev, dtype=torch.bfloat16, generator=g)
+                                 for n in (h, hkv, hkv))
+
+
 def bench_attention(dev, quick, results):
     """FP4 attention (issue 12) against PyTorch's SDPA (bf16, causal, GQA): forward and forward + backward ms,
     peak memory.  Two SDPA rows: `sdpa` is the default dispatch (its backend recorded), `sdpa:flash` the flash
@@ -617,9 +625,8 @@ def bench_attention(dev, quick, results):
     kernels."""
     from hf_fp4.nn.attention import fp4_attention
 
-    b, h, hkv, t, d = (1, 4, 2, 64, 32) if quick else (1, 32, 8, 4096, 128)
-    g = torch.Generator(device=dev).manual_seed(0)
-    q, k, v = (torch.randn(b, n, t, d, device=dev, dtype=torch.bfloat16, generator=g) for n in (h, hkv, hkv))
+    t = 64 if quick else 4096
+    (b, h, hkv, d), (q, k, v) = attention_inputs(dev, quick, t)
     default_backend = sdpa_backend(q, k, v, is_causal=True, enable_gqa=True)
     impls = {"sdpa": lambda q, k, v: nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
                                                                                  enable_gqa=True),
@@ -673,11 +680,9 @@ def attention_memory(dev, quick, impls, results) -> str:
     allocator's peak); the quadratic reference is left out (38.8 GiB at T 4096)."""
     if dev != "cuda":
         return "Attention memory by T: CUDA only (the allocator's peak)\n"
-    b, h, hkv, d = (1, 4, 2, 32) if quick else (1, 32, 8, 128)
     rows = []
     for t in ((256, 512, 1024) if quick else (2048, 4096, 8192, 16384)):
-        g = torch.Generator(device=dev).manual_seed(0)
-        q, k, v = (torch.randn(b, n, t, d, device=dev, dtype=torch.bfloat16, generator=g) for n in (h, hkv, hkv))
+        (b, h, hkv, d), (q, k, v) = attention_inputs(dev, quick, t)
         row = [t]
         for name, fn in impls.items():
             qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))

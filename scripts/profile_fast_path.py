@@ -646,7 +646,7 @@ def attention_tiles(dev: str) -> None:
             print(f"fwd {tile}: {type(err).__name__} {str(err)[:120]}", flush=True)
     # the backward as fp4_attention runs it (the forward's log-sum-exp: phases 1-3), one tile for every phase, then
     # the dK / dV phase (3) and the dS-amax / dQ phases (1, 2) on tiles of their own (session 28: the dK / dV kernel
-    # computes its tile transposed; ptxas: 80 B of spill stores at 64 x 32 x 4, none at 64 x 32 x 8)
+    # computes its tile transposed; scripts/ptx_report.py: a 16 B stack at 64 x 32 x 4, none at 64 x 32 x 8)
     tiles = [(32, 32, 4), (64, 32, 4), (64, 32, 4, 2), (64, 32, 8), (64, 64, 8)]
     tiles += [{3: t} for t in ((64, 32, 8), (64, 64, 8), (32, 64, 4), (128, 32, 8), (64, 64, 4))]
     tiles += [{1: t, 2: t} for t in ((64, 64, 4), (64, 64, 8), (128, 32, 8), (128, 64, 8))]

@@ -117,8 +117,9 @@ def main():
             (Path(args.out) / f"{label.replace(' ', '-')}.ptx").write_text(ptx)
             (Path(args.out) / f"{label.replace(' ', '-')}.ttgir").write_text(ttgir)
         regs, stack = resources(compiled.asm["cubin"])
-        rows, cols = ((constexprs["BR"], constexprs["BC"]) if "BR" in constexprs and not label.startswith("bwd")
-                      else (constexprs["BM"], constexprs["BN"]))
+        # a program's tile: BM x BN where a kernel has one (the GEMMs, the attention backward), else the block's
+        rows, cols = ((constexprs["BM"], constexprs["BN"]) if "BM" in constexprs
+                      else (constexprs["BR"], constexprs["BC"]))
         mix = sass_mix(compiled.asm["cubin"])
         per_element = sum(mix.values()) / (rows * cols / (warps * 32))  # static count over a tile's elements a thread
         print(f"| {label} | {rows}x{cols}, {warps} | {ttgir.count('ttg.convert_layout')} | "

@@ -295,11 +295,17 @@ def _scores(q, k_ptr, kb, cols, d, sk_t, TK, keep_ptr, mb, rows, sm_q, sm_k, TQ,
         return _dot(q, tl.trans(k), TC, INTERPRETED) * s_scale, k
     k = tl.load(k_ptr + kb + cols[:, None] * sk_t + d[None, :], mask=cols[:, None] < TK, other=0.0)
     s = _dot(q, tl.trans(k), TC, INTERPRETED) * s_scale
+    return _masked(s, rows, cols, TQ, TK, keep_ptr, mb, sm_q, sm_k, HAS_KEEP, CAUSAL), k
+
+
+@triton.jit
+def _masked(s, rows, cols, TQ, TK, keep_ptr, mb, sm_q, sm_k, HAS_KEEP: tl.constexpr, CAUSAL: tl.constexpr):
+    """S tile [rows, cols] with -inf where a query does not attend a key (out of range, causal, keep mask)."""
     valid = _valid(rows, cols, TQ, TK, CAUSAL)
     if HAS_KEEP:
         keep = tl.load(keep_ptr + mb + rows[:, None] * sm_q + cols[None, :] * sm_k, mask=valid, other=0)
         valid = valid & (keep != 0)
-    return tl.where(valid, s, float("-inf")), k
+    return tl.where(valid, s, float("-inf"))
 
 
 @triton.jit
@@ -453,11 +459,7 @@ def _dkdv_step(dk, dv, start, pid, pid_bh, cols, k, v, q_ptr, do_ptr, lse_ptr, d
     if SQUARE:  # one 2D-tile quantization serves both GEMMs: the tile in phase 2's orientation, as it quantizes it
         s = _dot(q, tl.trans(k), TC, INTERPRETED) * s_scale
         if MASKED:
-            valid = _valid(rows, cols, TQ, TK, CAUSAL)
-            if HAS_KEEP:
-                valid = valid & (tl.load(keep_ptr + mb + rows[:, None] * sm_q + cols[None, :] * sm_k, mask=valid,
-                                         other=0) != 0)
-            s = tl.where(valid, s, float("-inf"))
+            s = _masked(s, rows, cols, TQ, TK, keep_ptr, mb, sm_q, sm_k, HAS_KEEP, CAUSAL)
         p, ds = _probs_and_ds(s, lse, do, v, delta, dec_v, TC, INTERPRETED)
         dv += _dot(tl.trans(_bf16_values(p, TC, INTERPRETED)), do, TC, INTERPRETED)
         vals, vals_dec = quantize_tile(ds, stat_ptr, seed, pid_bh * TQ_ROWS + rows, pid * BN, KP_Q, BM, BN,
