@@ -120,7 +120,8 @@ def main():
     p.add_argument("--optim", default=None,
                    help="comma list of bench.py OPTIMIZERS labels (adamw, fp4_adamw, muon, muon+nvfp4_ns) or 'all': "
                         "one optimizer step each, op table, syncs")
-    p.add_argument("--attention-tiles", action="store_true", help="flash kernels' ms per tile, against SDPA")
+    p.add_argument("--attention-tiles", nargs="?", const="fwd,bwd", default=None, choices=("fwd,bwd", "fwd", "bwd"),
+                   help="flash kernels' ms per tile, against SDPA: the forward's tiles, the backward's, or both")
     p.add_argument("--moe", default=None, help="bench.py's MoE layer: comma list of its impl names "
                    "(bf16:grouped_mm, hf_fp4:<preset>, ...): GPU time per kernel and step")
     p.add_argument("--correction-tiles", action="store_true", help="the FP8 GEMMs' exact correction per tile "
@@ -130,7 +131,7 @@ def main():
     args = p.parse_args()
     dev = "cuda"
     # the modes that do one thing and stop: (given?, what it runs)
-    modes = [(args.attention_tiles, lambda: attention_tiles(dev)),
+    modes = [(args.attention_tiles, lambda: attention_tiles(dev, args.attention_tiles.split(","))),
              (args.moe, lambda: profile_moe(dev, args.moe.split(","))),
              (args.correction_tiles, lambda: correction_tiles(dev)),
              (args.moe_tiles, lambda: moe_tiles(dev, args.moe_tiles.split(","))),
@@ -607,7 +608,7 @@ def profile_e2e(name: str, steps: int = 3, model_name: str = "llama-1.1b") -> No
     torch.cuda.empty_cache()
 
 
-def attention_tiles(dev: str) -> None:
+def attention_tiles(dev: str, passes: list[str]) -> None:
     """Forward and backward ms of the flash kernels per tile on B1 H32 T4096 D128 (GQA expanded), causal, NVFP4
     operands as the tensor cores take them, against SDPA's flash backend on the same bf16 inputs (and SDPA's
     default dispatch printed beside it, with its backend: session 27's 'sdpa' line was the default dispatch, its
@@ -637,8 +638,9 @@ def attention_tiles(dev: str) -> None:
     o, lse = kernels.flash_forward(qh, kh, vh, None, d ** -0.5, decodes, causal=True, return_lse=True)
     # (rows, keys, warps[, pipeline stages: 3 where not given]); session 21's forward runs the tiles before the
     # causal diagonal unmasked and accumulates P V in the MMA's accumulator, so the larger tiles are worth retiming
-    for tile in ((64, 32, 4), (64, 32, 4, 2), (64, 32, 4, 4), (64, 64, 4), (64, 64, 4, 4), (128, 32, 8),
-                 (128, 64, 8), (128, 64, 8, 2), (128, 64, 8, 4), (128, 128, 8), (128, 128, 8, 2)):
+    fwd_tiles = ((64, 32, 4), (64, 32, 4, 2), (64, 32, 4, 4), (64, 64, 4), (64, 64, 4, 4), (128, 32, 8),
+                 (128, 64, 8), (128, 64, 8, 2), (128, 64, 8, 4), (128, 128, 8), (128, 128, 8, 2))
+    for tile in fwd_tiles if "fwd" in passes else ():
         try:
             ms = graph_ms(lambda: kernels.flash_forward(qh, kh, vh, None, d ** -0.5, decodes, tile, causal=True))
             print(f"fwd {tile}: {ms:.3f} ms ({sdpa_f / ms:.2f}x sdpa)", flush=True)
@@ -650,7 +652,7 @@ def attention_tiles(dev: str) -> None:
     tiles = [(32, 32, 4), (64, 32, 4), (64, 32, 4, 2), (64, 32, 8), (64, 64, 8)]
     tiles += [{3: t} for t in ((64, 32, 8), (64, 64, 8), (32, 64, 4), (128, 32, 8), (64, 64, 4))]
     tiles += [{1: t, 2: t} for t in ((64, 64, 4), (64, 64, 8), (128, 32, 8), (128, 64, 8))]
-    for tile in tiles:
+    for tile in tiles if "bwd" in passes else ():
         try:
             ms = event_ms(lambda: kernels.flash_backward(qh, kh, vh, o, do, None, d ** -0.5, spec, 3, decodes, tile,
                                                          causal=True, lse=lse), 5)
