@@ -308,14 +308,28 @@ def _masked(s, rows, cols, TQ, TK, keep_ptr, mb, sm_q, sm_k, HAS_KEEP: tl.conste
     return tl.where(valid, s, float("-inf"))
 
 
+#: log2(e): the backward phases 1-3 take S and the log-sum-exp in base 2 (S scaled by scale * log2(e) with the
+#: decodes, one multiply per element), so that P = 2^(S2 - lse2) is one subtraction and one MUFU instruction
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
+
+
 @triton.jit
-def _probs_and_ds(s, lse, do, v, delta, dec_v, TC: tl.constexpr, INTERPRETED: tl.constexpr):
-    """P = exp(S - lse) (0 where masked or the row sees nothing) and dS = P (dO V^T - D); a NaN score or
-    log-sum-exp stays NaN (compared with != : a NaN is neither masked nor dead)."""
-    live = lse != float("inf")
-    p = tl.where((s != float("-inf")) & live[:, None], tl.exp(s - tl.where(live, lse, 0.0)[:, None]), 0.0)
-    dp = _dot(do, tl.trans(v), TC, INTERPRETED) * dec_v
-    return p, p * (dp - delta[:, None])
+def _exp2(x, INTERPRETED: tl.constexpr):
+    """2^x: PTX's ex2.approx.ftz on the GPU (one MUFU instruction; tl.exp's non-ftz form adds a multiply and a
+    subnormal fix-up of compares and selects per element), numpy's in the interpreter.  2^-inf = +0, NaN stays NaN."""
+    if INTERPRETED:
+        return tl.exp2(x)
+    return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
+                                     pack=1)
+
+
+@triton.jit
+def _probs_and_ds(s2, lse2, do, v, delta, dec_v, TC: tl.constexpr, INTERPRETED: tl.constexpr):
+    """P = 2^(S2 - lse2) and dS = P (dO V^T dec_v - D) (one FMA), S2 and lse2 in base 2 (LOG2E).  No test per
+    element: a masked score (-inf) gives P = 0, and so does a row that sees nothing (lse +inf, its every score
+    masked: -inf - inf = -inf); a NaN score or log-sum-exp stays NaN."""
+    p = _exp2(s2 - lse2[:, None], INTERPRETED)
+    return p, p * tl.fma(_dot(do, tl.trans(v), TC, INTERPRETED), dec_v, -delta[:, None])
 
 
 @triton.jit
@@ -409,8 +423,9 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, dec_ptr, do_ptr, delta_ptr, lse_ptr, stat_pt
     rows = pid * BM + tl.arange(0, BM)
     q = tl.load(q_ptr + qb + rows[:, None] * D + d[None, :], mask=rows[:, None] < TQ, other=0.0)
     do = tl.load(do_ptr + qb + rows[:, None] * D + d[None, :], mask=rows[:, None] < TQ, other=0.0)
-    lse = tl.load(lse_ptr + pid_bh * TQ + rows, mask=rows < TQ, other=float("inf"))
+    lse = tl.load(lse_ptr + pid_bh * TQ + rows, mask=rows < TQ, other=float("inf")) * LOG2E  # base 2
     delta = tl.load(delta_ptr + pid_bh * TQ + rows, mask=rows < TQ, other=0.0)
+    s_scale = s_scale * LOG2E  # S in base 2 (_probs_and_ds)
     dq = tl.zeros([BM, D], tl.float32)
     amax = tl.zeros([BM], tl.float32)
     full = _full_keys(pid, BM, BN, TK, HAS_KEEP, CAUSAL)
@@ -456,6 +471,7 @@ def _dkdv_step(dk, dv, start, pid, pid_bh, cols, k, v, q_ptr, do_ptr, lse_ptr, d
         do = tl.load(do_ptr + qb + rows[:, None] * D + d[None, :])
         lse = tl.load(lse_ptr + pid_bh * TQ + rows)
         delta = tl.load(delta_ptr + pid_bh * TQ + rows)
+    lse = lse * LOG2E  # base 2, as phase 2's
     if SQUARE:  # one 2D-tile quantization serves both GEMMs: the tile in phase 2's orientation, as it quantizes it
         s = _dot(q, tl.trans(k), TC, INTERPRETED) * s_scale
         if MASKED:
@@ -475,9 +491,8 @@ def _dkdv_step(dk, dv, start, pid, pid_bh, cols, k, v, q_ptr, do_ptr, lse_ptr, d
             keep = tl.load(keep_ptr + mb + rows[None, :] * sm_q + cols[:, None] * sm_k, mask=valid, other=0)
             valid = valid & (keep != 0)
         st = tl.where(valid, st, float("-inf"))
-    live = lse != float("inf")  # as _probs_and_ds, transposed
-    pt = tl.where((st != float("-inf")) & live[None, :], tl.exp(st - tl.where(live, lse, 0.0)[None, :]), 0.0)
-    dst = pt * (_dot(v, tl.trans(do), TC, INTERPRETED) * dec_v - delta[None, :])
+    pt = _exp2(st - lse[None, :], INTERPRETED)  # as _probs_and_ds, transposed
+    dst = pt * tl.fma(_dot(v, tl.trans(do), TC, INTERPRETED), dec_v, -delta[None, :])
     dv += _dot(_bf16_values(pt, TC, INTERPRETED), do, TC, INTERPRETED)
     if QUANT:  # along queries: rows of the flattened [B H TK_ROWS, KP_K] matrix of dS^T, seed + 1
         vals, vals_dec = quantize_tile(dst, stat_ptr, seed + 1, pid_bh * TK_ROWS + cols, start, KP_K, BN, BM,
@@ -504,6 +519,7 @@ def _dkdv_kernel(q_ptr, k_ptr, v_ptr, dec_ptr, do_ptr, delta_ptr, lse_ptr, stat_
     d = tl.arange(0, D)
     qb, kb, mb = pid_bh * TQ * D, _kv_offset(b, h, H, G, TK, D), b * sm_b + h * sm_h
     ob = pid_bh * TK * D  # dK, dV per query head [B H TK D]: summed over each group after
+    s_scale = s_scale * LOG2E  # S in base 2 (_probs_and_ds), as phase 2's
     cols = pid * BN + tl.arange(0, BN)
     k = tl.load(k_ptr + kb + cols[:, None] * D + d[None, :], mask=cols[:, None] < TK, other=0.0)
     v = tl.load(v_ptr + kb + cols[:, None] * D + d[None, :], mask=cols[:, None] < TK, other=0.0)
