@@ -154,10 +154,52 @@ def encode_factor(decode):
 
 
 @triton.jit
-def ue4m3_block_scale(amax, s_enc, QMAX: tl.constexpr):
-    """s_b = e4m3_rne(min(amax_b / qmax * s_enc, FLT_MAX)), saturating at 448."""
-    block = tl.minimum(tl.math.div_rn(amax, QMAX) * s_enc, 3.4028234663852886e38)
+def ue4m3_block_scale(amax, s_enc, QMAX: tl.constexpr, FAST: tl.constexpr = False):
+    """s_b = e4m3_rne(min(amax_b / qmax * s_enc, FLT_MAX)), saturating at 448.  FAST: amax_b / qmax by div_qmax
+    (exact only where fast_divisions_exact says)."""
+    if FAST:
+        quotient = div_qmax(amax, QMAX)
+    else:
+        quotient = tl.math.div_rn(amax, QMAX)
+    block = tl.minimum(quotient * s_enc, 3.4028234663852886e38)
     return round_float_grid(block, block, -6, 3, 448.0, False)
+
+
+#: the grid maxima (E2M1 6, INT4 7, E4M3 448) whose division div_qmax computes in three instructions
+FAST_QMAX = (6.0, 7.0, 448.0)
+
+
+@triton.jit
+def div_qmax(amax, QMAX: tl.constexpr):
+    """RN(amax / QMAX) for QMAX in FAST_QMAX wherever the quotient is a normal number or amax is 0: q = RN(amax c),
+    r = amax - q QMAX (exact, one FMA), RN(q + r c), with c = RN(1 / QMAX) -- three instructions for div_rn's
+    ~14 (its reciprocal refined at run time, a range check and a branch per block).  Checked for every positive
+    FP32 amax (scripts/check_fast_division.c, 2026-12-07): correctly rounded at every normal quotient, for all
+    three; off by an ulp at some subnormal quotients (amax < QMAX 2^-126); E1M2's 1.75 fails at normal ones."""
+    q = amax * (1.0 / QMAX)
+    return tl.fma(tl.fma(-q, QMAX, amax), 1.0 / QMAX, q)
+
+
+@triton.jit
+def rcp_rn(d):
+    """RN(1 / d) for d in [2^-125, 2^125]: div_rn(1, d)'s own fast path (MUFU's approximation, Newton's step, the
+    FMA residual correction) without its range check and branch.  The interpreter has no rcp.approx: it starts from
+    the IEEE quotient, which the two steps keep."""
+    if INTERPRETER:
+        r = tl.math.div_rn(tl.full(d.shape, 1.0, tl.float32), d)
+    else:
+        r = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [d], dtype=tl.float32, is_pure=True,
+                                      pack=1)
+    r = tl.fma(r, tl.fma(-d, r, 1.0), r)
+    return tl.fma(r, tl.fma(-d, r, 1.0), r)
+
+
+@triton.jit
+def fast_divisions_exact(amax, s_b, decode, QMAX: tl.constexpr):
+    """Per block: div_qmax and rcp_rn give the IEEE results (amax 0 or its quotient normal; no decode factor or a
+    normal one whose reciprocal is normal).  False for a NaN amax."""
+    quotient_ok = (amax == 0) | (amax >= QMAX * 1.1754943508222875e-38)
+    return quotient_ok & ((s_b == 0) | ((decode >= 2.350988701644575e-38) & (decode <= 4.253529586511731e37)))
 
 
 @triton.jit
@@ -366,9 +408,17 @@ def quantize_tile(x, stat_ptr, seed, rows, col0, KP, BM: tl.constexpr, BK: tl.co
     bad = ~(amax <= 3.4028234663852886e38)
     if SCALE == 2:
         s_enc = tensor_encode_scale(tl.load(stat_ptr), QMAX)
-        s_b = ue4m3_block_scale(amax, s_enc, QMAX)
         s_dec = tl.math.div_rn(1.0, s_enc)
-        encode = tl.where(s_b > 0, encode_factor(s_b * s_dec), 0.0)
+        if QMAX == 6.0 or QMAX == 7.0 or QMAX == 448.0:  # FAST_QMAX: the two divisions per block in a few
+            # instructions, the IEEE ones for a tile that needs them (a uniform branch: one reduction per tile)
+            s_b = ue4m3_block_scale(amax, s_enc, QMAX, True)
+            encode = tl.where(s_b > 0, rcp_rn(s_b * s_dec), 0.0)
+            if tl.min(fast_divisions_exact(amax, s_b, s_b * s_dec, QMAX).to(tl.int32)) == 0:
+                s_b = ue4m3_block_scale(amax, s_enc, QMAX)
+                encode = tl.where(s_b > 0, encode_factor(s_b * s_dec), 0.0)
+        else:
+            s_b = ue4m3_block_scale(amax, s_enc, QMAX)
+            encode = tl.where(s_b > 0, encode_factor(s_b * s_dec), 0.0)
         block = s_b
     else:
         e = e8m0_exponent(amax, SCALE == 1, QM, QE, EMAX)
