@@ -3,10 +3,12 @@
  * the correctly rounded amax / Q?  Counts the misrounded quotients, normal and subnormal, per grid maximum Q.
  *     gcc -O2 -o /tmp/check_fast_division scripts/check_fast_division.c -lm && /tmp/check_fast_division
  * (2^31 values per Q; ~25 s each on one core).  Measured 2026-12-07 (x86-64, gcc 12, libm fmaf):
- *     Q=6     normal 0, subnormal 1398101        Q=7     normal 0, subnormal 0
- *     Q=1.75  normal 2396746, subnormal 2496609  Q=448   normal 0, subnormal 599186
- * so FAST_QMAX is (6, 7, 448), exact wherever the quotient is normal (fast_divisions_exact sends the rest to the
- * IEEE division). */
+ *     Q=6     normal 0, subnormal 1398101 (the largest 0x1.55555p-128)
+ *     Q=7     normal 0, subnormal 0
+ *     Q=1.75  normal 2396746, subnormal 2496609
+ *     Q=448   normal 0, subnormal 599186 (the largest 0x1.24924p-129)
+ * so FAST_QMAX is (6, 7, 448): exact at every normal quotient, and the misrounded subnormal ones (< 2^-127.5)
+ * times s_enc <= 2^117 stay under 2^-10, which the E4M3 block scale rounds to 0 either way (div_qmax). */
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -21,14 +23,20 @@ int main(void) {
         volatile float one = 1.0f;  /* no constant folding in double */
         float q_max = qs[i], c = one / q_max;
         long normal = 0, subnormal = 0;
+        float largest = 0.0f;  /* the largest misrounded subnormal quotient */
         for (uint32_t b = 1; b < 0x7f800000u; b++) {
             float x = from_bits(b), q = x * c, r = fmaf(-q, q_max, x), fast = fmaf(r, c, q), ieee = x / q_max;
             if (bits(fast) != bits(ieee)) {
-                if (ieee < 1.17549435e-38f) subnormal++; else normal++;
+                if (ieee < 1.17549435e-38f) {
+                    subnormal++;
+                    if (ieee > largest) largest = ieee;
+                } else {
+                    normal++;
+                }
             }
         }
-        printf("Q=%g c=%a: misrounded at normal quotients %ld, at subnormal quotients %ld\n", q_max, c, normal,
-               subnormal);
+        printf("Q=%g c=%a: misrounded at normal quotients %ld, at subnormal quotients %ld (the largest %a)\n",
+               q_max, c, normal, subnormal, largest);
     }
     return 0;
 }

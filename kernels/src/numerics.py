@@ -156,7 +156,7 @@ def encode_factor(decode):
 @triton.jit
 def ue4m3_block_scale(amax, s_enc, QMAX: tl.constexpr, FAST: tl.constexpr = False):
     """s_b = e4m3_rne(min(amax_b / qmax * s_enc, FLT_MAX)), saturating at 448.  FAST: amax_b / qmax by div_qmax
-    (exact only where fast_divisions_exact says)."""
+    (QMAX in FAST_QMAX; the same s_b for every amax, see there)."""
     if FAST:
         quotient = div_qmax(amax, QMAX)
     else:
@@ -171,11 +171,13 @@ FAST_QMAX = (6.0, 7.0, 448.0)
 
 @triton.jit
 def div_qmax(amax, QMAX: tl.constexpr):
-    """RN(amax / QMAX) for QMAX in FAST_QMAX wherever the quotient is a normal number or amax is 0: q = RN(amax c),
-    r = amax - q QMAX (exact, one FMA), RN(q + r c), with c = RN(1 / QMAX) -- three instructions for div_rn's
-    ~14 (its reciprocal refined at run time, a range check and a branch per block).  Checked for every positive
-    FP32 amax (scripts/check_fast_division.c, 2026-12-07): correctly rounded at every normal quotient, for all
-    three; off by an ulp at some subnormal quotients (amax < QMAX 2^-126); E1M2's 1.75 fails at normal ones."""
+    """amax / QMAX for the two-level block scale, QMAX in FAST_QMAX: q = RN(amax c), r = amax - q QMAX (exact, one
+    FMA), RN(q + r c), with c = RN(1 / QMAX) -- three instructions for div_rn's ~14 (its reciprocal refined at run
+    time, a range check and a branch, per block).  Checked for every positive FP32 amax (scripts/
+    check_fast_division.c, 2026-12-07): correctly rounded at every normal quotient; an ulp off at some subnormal
+    ones, the largest 0x1.55555p-128 (QMAX 6) and 0x1.24924p-129 (448; none for 7), where s_enc <= 2^117
+    (MAX_TENSOR_ENCODE) keeps amax / QMAX * s_enc under 2^-10, which E4M3 rounds to 0 -- so the block scale
+    s_b is the IEEE division's for every amax.  (E1M2's 1.75 fails at normal quotients: not in FAST_QMAX.)"""
     q = amax * (1.0 / QMAX)
     return tl.fma(tl.fma(-q, QMAX, amax), 1.0 / QMAX, q)
 
@@ -183,8 +185,8 @@ def div_qmax(amax, QMAX: tl.constexpr):
 @triton.jit
 def rcp_rn(d):
     """RN(1 / d) for d in [2^-125, 2^125]: div_rn(1, d)'s own fast path (MUFU's approximation, Newton's step, the
-    FMA residual correction) without its range check and branch.  The interpreter has no rcp.approx: it starts from
-    the IEEE quotient, which the two steps keep."""
+    FMA residual correction) without its range check and branch -- the range where that check passes it.  The
+    interpreter has no rcp.approx: it starts from the IEEE quotient, which the two steps keep."""
     if INTERPRETER:
         r = tl.math.div_rn(tl.full(d.shape, 1.0, tl.float32), d)
     else:
@@ -195,11 +197,11 @@ def rcp_rn(d):
 
 
 @triton.jit
-def fast_divisions_exact(amax, s_b, decode, QMAX: tl.constexpr):
-    """Per block: div_qmax and rcp_rn give the IEEE results (amax 0 or its quotient normal; no decode factor or a
-    normal one whose reciprocal is normal).  False for a NaN amax."""
-    quotient_ok = (amax == 0) | (amax >= QMAX * 1.1754943508222875e-38)
-    return quotient_ok & ((s_b == 0) | ((decode >= 2.350988701644575e-38) & (decode <= 4.253529586511731e37)))
+def rcp_rn_exact(s_enc):
+    """Whether rcp_rn gives every block's encode factor: s_enc in [2^-116, 2^116] puts each decode factor
+    s_b / s_enc (s_b an E4M3 value in [2^-9, 448]) in [2^-125, 2^125].  One test per tensor: only a tensor whose
+    amax is below ~1e-31 or above ~3e38 takes the IEEE division."""
+    return (s_enc <= 8.307674973655724e34) & (s_enc >= 1.2037062152420224e-35)
 
 
 @triton.jit
@@ -410,11 +412,11 @@ def quantize_tile(x, stat_ptr, seed, rows, col0, KP, BM: tl.constexpr, BK: tl.co
         s_enc = tensor_encode_scale(tl.load(stat_ptr), QMAX)
         s_dec = tl.math.div_rn(1.0, s_enc)
         if QMAX == 6.0 or QMAX == 7.0 or QMAX == 448.0:  # FAST_QMAX: the two divisions per block in a few
-            # instructions, the IEEE ones for a tile that needs them (a uniform branch: one reduction per tile)
+            # instructions (the reciprocal's IEEE division for a tensor at either end of FP32: a uniform branch)
             s_b = ue4m3_block_scale(amax, s_enc, QMAX, True)
-            encode = tl.where(s_b > 0, rcp_rn(s_b * s_dec), 0.0)
-            if tl.min(fast_divisions_exact(amax, s_b, s_b * s_dec, QMAX).to(tl.int32)) == 0:
-                s_b = ue4m3_block_scale(amax, s_enc, QMAX)
+            if rcp_rn_exact(s_enc):
+                encode = tl.where(s_b > 0, rcp_rn(s_b * s_dec), 0.0)
+            else:
                 encode = tl.where(s_b > 0, encode_factor(s_b * s_dec), 0.0)
         else:
             s_b = ue4m3_block_scale(amax, s_enc, QMAX)
