@@ -649,9 +649,11 @@ def attention_tiles(dev: str, passes: list[str]) -> None:
     # the backward as fp4_attention runs it (the forward's log-sum-exp: phases 1-3), one tile for every phase, then
     # the dK / dV phase (3) and the dS-amax / dQ phases (1, 2) on tiles of their own (session 28: the dK / dV kernel
     # computes its tile transposed; scripts/ptx_report.py: a 16 B stack at 64 x 32 x 4, none at 64 x 32 x 8)
-    tiles = [(32, 32, 4), (64, 32, 4), (64, 32, 4, 2), (64, 32, 8), (64, 64, 8)]
-    tiles += [{3: t} for t in ((64, 32, 8), (64, 64, 8), (32, 64, 4), (128, 32, 8), (64, 64, 4))]
-    tiles += [{1: t, 2: t} for t in ((64, 64, 4), (64, 64, 8), (128, 32, 8), (128, 64, 8))]
+    # session 29 swept (32, 32, 4), (64, 32, 4[, 2]), (64, 32, 8), (64, 64, 8) for every phase, phase 3 on (64, 32, 8),
+    # (64, 64, 8), (32, 64, 4), (128, 32, 8), (64, 64, 4) and phases 1-2 on (64, 64, 4|8), (128, 32|64, 8): phase 3's
+    # (32, 64, 4) is now the default (BACKWARD_TILES); around it:
+    tiles = [None, {3: (32, 64, 4, 2)}, {3: (32, 64, 8)}, {3: (32, 128, 4)}, {3: (32, 128, 8)}, {3: (64, 64, 4, 2)}]
+    tiles += [{1: t, 2: t} for t in ((128, 64, 8), (128, 32, 8), (64, 64, 4))]
     for tile in tiles if "bwd" in passes else ():
         try:
             ms = event_ms(lambda: kernels.flash_backward(qh, kh, vh, o, do, None, d ** -0.5, spec, 3, decodes, tile,

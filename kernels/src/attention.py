@@ -44,6 +44,10 @@ from .numerics import quantize_tile, round_to_bf16, tensor_encode_scale
 #: against the spec on its own (tests/test_attention.py, the causal cases).
 FORWARD_TILE = (64, 32, 4)
 BACKWARD_TILE = (64, 32, 4)
+#: phase 3 (dK / dV, computed transposed: S^T is [keys, queries]) on 64 keys x 32 queries -- the tensor cores' wgmma
+#: needs 64 rows, and 64 x 32 (32 keys) fell back to mma.sync; H100, session 29 (profile_fast_path.py
+#: --attention-tiles bwd): the backward 2.27 ms against 2.76 with phase 3 on 64 x 32 x 4 (SDPA flash 1.46)
+BACKWARD_TILES = {0: BACKWARD_TILE, 1: BACKWARD_TILE, 2: BACKWARD_TILE, 3: (32, 64, 4)}
 IEEE_TILE = (32, 32, 4)  # FP32 operands (IEEE dots): twice the bytes and registers per element
 
 
@@ -596,13 +600,15 @@ def flash_backward(qh, kh, vh, out, d_out, keep, scale: float, ds_spec, seed: in
         mask_strides = keep_t.stride()
     else:
         keep_t, mask_strides = torch.empty(1, dtype=torch.int8, device=dev), (0, 0, 0, 0)
-    default = BACKWARD_TILE if tc else IEEE_TILE
+    defaults = BACKWARD_TILES if tc else dict.fromkeys(range(4), IEEE_TILE)
     if isinstance(tile, dict):
         if unknown := sorted(set(tile) - {0, 1, 2, 3}):
             raise ValueError(f"flash_backward: tiles for phases {unknown}; the phases are 0, 1, 2, 3")
-        tiles = {phase: _tile(tile.get(phase), default) for phase in range(4)}
+        tiles = {phase: _tile(tile.get(phase), defaults[phase]) for phase in range(4)}
+    elif tile is not None:
+        tiles = dict.fromkeys(range(4), _tile(tile, defaults[0]))
     else:
-        tiles = dict.fromkeys(range(4), _tile(tile, default))
+        tiles = {phase: _tile(None, defaults[phase]) for phase in range(4)}
     quant = dict(QUANT=False, SQUARE=False, BR=1, BC=16, **grid_constants(Grid.E2M1), SCALE=0, SR=False)
     rows_q, rows_k, kp_q, kp_k = tq, tk, tk, tq
     if ds_spec is not None:
