@@ -618,11 +618,15 @@ def attention_inputs(dev, quick, t):
                                  for n in (h, hkv, hkv))
 
 
-def bench_attention(dev, quick, results):
+#: the attention part's rows (--impls names them)
+ATTENTION_IMPLS = ("sdpa", "sdpa:flash", "hf_fp4:nvfp4:reference", "hf_fp4:nvfp4:triton")
+
+
+def bench_attention(dev, quick, results, names=None):
     """FP4 attention (issue 12) against PyTorch's SDPA (bf16, causal, GQA): forward and forward + backward ms,
     peak memory.  Two SDPA rows: `sdpa` is the default dispatch (its backend recorded), `sdpa:flash` the flash
     backend alone (issue 12's yardstick).  hf_fp4 runs nvfp4 Q/K/V/dS with the reference or the Triton flash
-    kernels."""
+    kernels.  names: the rows to run (--impls), all by default."""
     from hf_fp4.nn.attention import fp4_attention
 
     t = 64 if quick else 4096
@@ -636,8 +640,10 @@ def bench_attention(dev, quick, results):
                                                                   causal=True)}
     if dev != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         del impls["hf_fp4:nvfp4:triton"]  # Triton on the CPU needs its interpreter
+    if names:
+        impls = {name: fn for name, fn in impls.items() if name in names}
     try:  # the flash backend may refuse these inputs (a build whose flash kernels take no GQA): said, not fatal
-        impls["sdpa:flash"](q, k, v)
+        impls.get("sdpa:flash", lambda *_: None)(q, k, v)
     except RuntimeError as err:
         print(f"sdpa:flash left out: {str(err).splitlines()[0]}", flush=True)
         del impls["sdpa:flash"]
@@ -923,7 +929,7 @@ def main():
     if args.impls:
         keep = list(dict.fromkeys(args.impls.split(",")))
         # hf_fp4:<preset> (the attention / moe parts) is a linear name; the MoE part's experts GEMM forms beside it
-        known = set(lin_names) | set(e2e_names) | {f"hf_fp4:{p}+fp8gemm" for p in MX_PRESETS}
+        known = set(lin_names) | set(e2e_names) | {f"hf_fp4:{p}+fp8gemm" for p in MX_PRESETS} | set(ATTENTION_IMPLS)
         if unknown := [n for n in keep if n not in known]:
             parser.error(f"unknown impl(s) {', '.join(unknown)}; valid: {', '.join(sorted(known))}")
         for label, names, part_names in (("linear", lin_names, ("linear", "linear_spread")),
@@ -967,7 +973,7 @@ def main():
         text.append(bench_e2e(dev, "bench-50m", kwargs, batch, seq, sizes["steps"] * 2, results, e2e_names,
                               lambda: write(results, stem, render(results))))
     if "attention" in parts:
-        text.append(bench_attention(dev, args.quick, results))
+        text.append(bench_attention(dev, args.quick, results, args.impls.split(",") if args.impls else None))
         write(results, stem, "\n".join(text))
     if "sharq" in parts:
         text.append(bench_sharq(dev, args.quick, results))
