@@ -618,7 +618,7 @@ def attention_inputs(dev, quick, t):
                                  for n in (h, hkv, hkv))
 
 
-#: the attention part's rows (--impls names them)
+#: the attention part's rows (an --impls that names some runs only those)
 ATTENTION_IMPLS = ("sdpa", "sdpa:flash", "hf_fp4:nvfp4:reference", "hf_fp4:nvfp4:triton")
 
 
@@ -973,7 +973,9 @@ def main():
         text.append(bench_e2e(dev, "bench-50m", kwargs, batch, seq, sizes["steps"] * 2, results, e2e_names,
                               lambda: write(results, stem, render(results))))
     if "attention" in parts:
-        text.append(bench_attention(dev, args.quick, results, args.impls.split(",") if args.impls else None))
+        # --impls restricts the attention rows when it names any of them (else it is about the other parts)
+        names = [n for n in (args.impls or "").split(",") if n in ATTENTION_IMPLS]
+        text.append(bench_attention(dev, args.quick, results, names or None))
         write(results, stem, "\n".join(text))
     if "sharq" in parts:
         text.append(bench_sharq(dev, args.quick, results))
