@@ -34,8 +34,9 @@ from .numerics import quantize_tile, round_to_bf16, tensor_encode_scale
 #: (32 x 64 x 4: 5.31, 64 x 32 x 8: 6.13) against SDPA's default dispatch, 0.255 / 0.810 ms (a tile argument may give the
 #: pipeline stages: (rows, keys, warps, stages)).  Session 28 computes phase 3's tile transposed (S^T = K^ Q^T, the key
 #: tile loaded once): compiled here for sm_90 (Triton 3.9, `scripts/ptx_report.py --only bwd3`) its stack (spilled
-#: registers) fell from 216 to 16 B at 64 x 32 x 4 and from 136 B to none at 64 x 32 x 8 (180 registers, from 255) --
-#: not yet timed on a GPU: retime the backward tiles (flash_backward takes a tile per phase).
+#: registers) fell from 216 to 16 B at 64 x 32 x 4 and from 136 B to none at 64 x 32 x 8 (180 registers, from 255).
+#: Session 29 (H100, benchmarks/gpu/attention-tiles-2026-12-07-session29.txt, with that and fewer instructions per dS
+#: element): backward 64 x 32 x 4 2.76 ms, phase 3 on 32 x 64 x 4 2.27 ms (BACKWARD_TILES) against SDPA flash's 1.46.
 #: Every launch compiles with enable_fp_fusion=False: each product and sum is rounded on its own, as the
 #: reference (and the interpreter) round them.  With FMA contraction on, the code around the mask decides which
 #: multiply-adds fuse.  causal=True and the equivalent tril keep-mask still differ in low bits on the H200
