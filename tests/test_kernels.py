@@ -182,7 +182,15 @@ def assert_operands_exact(t, plans, seeds, signs, mu=None, tile=None):
         ref = reference_operand(view, plan, int(seeds[i]), signs[i]).data
         got = operand_values(op, plan, view.shape[0], view.shape[1])
         torch.testing.assert_close(got, ref, atol=0, rtol=0, equal_nan=True, msg=lambda m: f"{plan}: {m}")
+        assert same_signs(got, ref), plan  # assert_close takes -0 for +0
     return ops
+
+
+def same_signs(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """The sign bits agree wherever the reference is not NaN (-0.0 against +0.0 included)."""
+    got, want = got.cpu(), want.cpu()
+    real = ~torch.isnan(want)
+    return torch.equal(torch.signbit(got)[real], torch.signbit(want)[real])
 
 
 @pytest.mark.parametrize("spec,form,h", operand_cases(), ids=str)
@@ -191,6 +199,32 @@ def test_operand_kernel_both_orientations_match_reference(spec, form, h):
     signs = (seeded_signs(h, 5), seeded_signs(h, 6)) if h == 16 else (None, None)
     plans = (plan_for(spec, form, h, signs[0] is not None), plan_for(spec, form, h, signs[1] is not None))
     assert_operands_exact(t, plans, torch.tensor([7, -2**40], device=DEV), signs)
+
+
+@pytest.mark.parametrize("name,form", [("nvfp4", "bf16"), ("ufp4", "bf16"), ("mxfp4", "bf16"), ("mxfp4", "fp8")])
+def test_a_negative_value_quantized_to_zero_is_minus_zero_as_in_the_reference(name, form):
+    """The reference's code keeps the scaled value's sign bit (formats.encode), so a negative value whose scaled form
+    underflows to -0 (a block holding ~3e38 beside -1e-30) or whose block scale is 0 (a block ~2^-40 below a two-level
+    tensor's amax) dequantizes to -0.0.  The operand kernels give the same -0.0 (a compare and select gave +0.0)."""
+    t = wide(40, 64, seed=5)
+    t[5, 0], t[5, 1] = 3e38, -1e-30
+    t[6, 32:64] = -(2.0 ** -40)
+    plans = (plan_for(QuantSpec.preset(name), form, 0, False), plan_for(QuantSpec.preset(name), form, 0, False))
+    ref = reference_operand(t.float(), plans[0], 7, None).data
+    assert torch.signbit(ref[5, 1]) and ref[5, 1] == 0  # the case is there
+    assert_operands_exact(t, plans, torch.tensor([7, 8], device=DEV), (None, None))
+    if form == "bf16":  # and the in-register quantizer of the attention and SharQ kernels
+        from hf_fp4.kernels.numerics import grid_constants
+        from hf_fp4.kernels.quant import SCALE_CODES
+        from hf_fp4.numerics.formats import flush_subnormals
+
+        spec, x = QuantSpec.preset(name), t.float()
+        out, stat = torch.empty_like(x), flush_subnormals(x).abs().max().reshape(1)
+        _tile_fake_quantize_kernel[(triton.cdiv(40, 32), 64 // 32)](
+            x, out, stat, 0, 40, 64, 64, BM=32, BK=32, BR=1, BC=spec.block[1], **grid_constants(spec.grid),
+            SCALE=SCALE_CODES[spec.scale], SR=False)
+        want = quantize(x, spec).dequantize(torch.float32)
+        assert torch.equal(out, want) and same_signs(out, want), name
 
 
 @pytest.mark.parametrize("spec,h", [(s, h) for s in operand_specs() if fp8_capable(s)
@@ -661,7 +695,7 @@ def test_the_tile_fake_quantizer_is_the_reference(spec, tile):
     _tile_fake_quantize_kernel[grid](x, out, stat, 1234, 45, 70, kp, BM=bm, BK=bk, BR=br, BC=bc,
                                      **grid_constants(spec.grid), SCALE=SCALE_CODES[spec.scale], SR=sr)
     want = quantize(x, spec, seed=1234 if sr else None).dequantize(torch.float32)
-    assert torch.equal(out, want), str(spec)
+    assert torch.equal(out, want) and same_signs(out, want), str(spec)
 
 
 def _fp32_rn(v) -> "Fraction":

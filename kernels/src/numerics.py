@@ -433,9 +433,17 @@ def quantize_tile(x, stat_ptr, seed, rows, col0, KP, BM: tl.constexpr, BK: tl.co
         u = sr_uniforms_each(seed, rows, col0, KP, BM, BK)
     else:
         u = m
-    q = round_grid(m, u, GRID, SR)
-    q = tl.where(scaled < 0, -q, q)
+    q = with_sign_of(round_grid(m, u, GRID, SR), scaled)
     return q * expand_blocks(tl.where(bad, float("nan"), block), BM, BK, BR, BC), s_dec
+
+
+@triton.jit
+def with_sign_of(q, scaled):
+    """q (>= 0) with scaled's sign bit: the reference's sign (hf_fp4.numerics.formats.encode takes the scaled value's
+    sign bit, so a negative value that rounds or underflows to zero is -0) in one LOP3, where a compare and a select
+    gave +0 for a scaled value that underflowed to -0."""
+    sign = scaled.to(tl.uint32, bitcast=True) & 0x80000000
+    return (q.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit

@@ -44,7 +44,7 @@ from hf_fp4.numerics.spec import Rounding
 from .launch import launcher
 from .numerics import (block_max, encode_factor, e8m0_exponent, expand_blocks, finite_abs, flush_subnormals,
                        grid_constants, hadamard, hadamard_across, hadamard_block_amax, pow2, round_grid, sr_uniforms,
-                       sr_uniforms_at, tensor_encode_scale, ue4m3_block_scale)
+                       sr_uniforms_at, tensor_encode_scale, ue4m3_block_scale, with_sign_of)
 from .quant import SCALE_CODES, load_tile
 
 
@@ -371,8 +371,7 @@ def _round_values(x, encode, factor, u, GRID: tl.constexpr, SR: tl.constexpr):
     (expanded from the blocks), u: SR's uniforms (ignored for round to nearest)."""
     scaled = x * encode
     m = tl.abs(scaled)
-    q = round_grid(m, u if SR else m, GRID, SR)
-    q = tl.where(scaled < 0, -q, q)
+    q = with_sign_of(round_grid(m, u if SR else m, GRID, SR), scaled)
     return q, q * factor
 
 
