@@ -186,7 +186,8 @@ def div_qmax(amax, QMAX: tl.constexpr):
 def rcp_rn(d):
     """RN(1 / d) for d in [2^-125, 2^125]: div_rn(1, d)'s own fast path (MUFU's approximation, Newton's step, the
     FMA residual correction) without its range check and branch -- the range where that check passes it.  The
-    interpreter has no rcp.approx: it starts from the IEEE quotient, which the two steps keep."""
+    interpreter has no rcp.approx and starts from the IEEE quotient (the tile tests compare its results with the
+    reference's bit for bit; the GPU suite checks MUFU's start)."""
     if INTERPRETER:
         r = tl.math.div_rn(tl.full(d.shape, 1.0, tl.float32), d)
     else:
@@ -411,8 +412,9 @@ def quantize_tile(x, stat_ptr, seed, rows, col0, KP, BM: tl.constexpr, BK: tl.co
     if SCALE == 2:
         s_enc = tensor_encode_scale(tl.load(stat_ptr), QMAX)
         s_dec = tl.math.div_rn(1.0, s_enc)
-        if QMAX == 6.0 or QMAX == 7.0 or QMAX == 448.0:  # FAST_QMAX: the two divisions per block in a few
-            # instructions (the reciprocal's IEEE division for a tensor at either end of FP32: a uniform branch)
+        if QMAX == 6.0 or QMAX == 7.0 or QMAX == 448.0:  # FAST_QMAX (spelt out: jit code reads no tuple global)
+            # the two divisions per block in a few instructions (the reciprocal's IEEE division for a tensor at
+            # either end of FP32: a uniform branch)
             s_b = ue4m3_block_scale(amax, s_enc, QMAX, True)
             if rcp_rn_exact(s_enc):
                 encode = tl.where(s_b > 0, rcp_rn(s_b * s_dec), 0.0)
