@@ -654,6 +654,8 @@ def attention_tiles(dev: str, passes: list[str]) -> None:
     # (32, 64, 4) is now the default (BACKWARD_TILES); around it:
     tiles = [None, {3: (32, 64, 4, 2)}, {3: (32, 64, 8)}, {3: (32, 128, 4)}, {3: (32, 128, 8)}, {3: (64, 64, 4, 2)}]
     tiles += [{1: t, 2: t} for t in ((128, 64, 8), (128, 32, 8), (64, 64, 4))]
+    # phase 1 (dS's amax: 68 registers, two programs per SM by its 3-stage shared memory under ncu) on fewer stages
+    tiles += [{1: t} for t in ((64, 32, 4, 2), (64, 64, 4, 2), (128, 64, 8, 2))]
     for tile in tiles if "bwd" in passes else ():
         try:
             ms = event_ms(lambda: kernels.flash_backward(qh, kh, vh, o, do, None, d ** -0.5, spec, 3, decodes, tile,
