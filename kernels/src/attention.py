@@ -78,11 +78,13 @@ def _row_lse(m_i, l_i):
 
 
 @triton.jit
-def _valid(rows, cols, TQ, TK, CAUSAL: tl.constexpr):
-    """In range, and (causal) a key at or before the query (aligned at the start, as Transformers' SDPA)."""
-    valid = (rows[:, None] < TQ) & (cols[None, :] < TK)
+def _valid(r, c, TQ, TK, CAUSAL: tl.constexpr):
+    """In range, and (causal) a key at or before the query (aligned at the start, as Transformers' SDPA); r and c:
+    the query and key positions broadcast to the tile's orientation (rows[:, None], cols[None, :] for S;
+    rows[None, :], cols[:, None] for S^T)."""
+    valid = (r < TQ) & (c < TK)
     if CAUSAL:
-        valid = valid & (cols[None, :] <= rows[:, None])
+        valid = valid & (c <= r)
     return valid
 
 
@@ -153,7 +155,7 @@ def _online_step(acc, m_i, l_i, q, k_ptrs, v_ptrs, keep_ptrs, rows, cols, TQ, TK
         v = tl.load(v_ptrs)
     s = _dot(q, tl.trans(k), TC, INTERPRETED) * s_scale
     if MASKED:
-        valid = _valid(rows, cols, TQ, TK, CAUSAL)
+        valid = _valid(rows[:, None], cols[None, :], TQ, TK, CAUSAL)
         if HAS_KEEP:
             valid = valid & (tl.load(keep_ptrs, mask=valid, other=0) != 0)
         s = tl.where(valid, s, float("-inf"))
@@ -300,15 +302,16 @@ def _scores(q, k_ptr, kb, cols, d, sk_t, TK, keep_ptr, mb, rows, sm_q, sm_k, TQ,
         return _dot(q, tl.trans(k), TC, INTERPRETED) * s_scale, k
     k = tl.load(k_ptr + kb + cols[:, None] * sk_t + d[None, :], mask=cols[:, None] < TK, other=0.0)
     s = _dot(q, tl.trans(k), TC, INTERPRETED) * s_scale
-    return _masked(s, rows, cols, TQ, TK, keep_ptr, mb, sm_q, sm_k, HAS_KEEP, CAUSAL), k
+    return _masked(s, rows[:, None], cols[None, :], TQ, TK, keep_ptr, mb, sm_q, sm_k, HAS_KEEP, CAUSAL), k
 
 
 @triton.jit
-def _masked(s, rows, cols, TQ, TK, keep_ptr, mb, sm_q, sm_k, HAS_KEEP: tl.constexpr, CAUSAL: tl.constexpr):
-    """S tile [rows, cols] with -inf where a query does not attend a key (out of range, causal, keep mask)."""
-    valid = _valid(rows, cols, TQ, TK, CAUSAL)
+def _masked(s, r, c, TQ, TK, keep_ptr, mb, sm_q, sm_k, HAS_KEEP: tl.constexpr, CAUSAL: tl.constexpr):
+    """An S (or S^T) tile with -inf where a query does not attend a key (out of range, causal, keep mask); r, c: the
+    query and key positions broadcast to the tile's orientation, as _valid takes them."""
+    valid = _valid(r, c, TQ, TK, CAUSAL)
     if HAS_KEEP:
-        keep = tl.load(keep_ptr + mb + rows[:, None] * sm_q + cols[None, :] * sm_k, mask=valid, other=0)
+        keep = tl.load(keep_ptr + mb + r * sm_q + c * sm_k, mask=valid, other=0)
         valid = valid & (keep != 0)
     return tl.where(valid, s, float("-inf"))
 
@@ -480,7 +483,7 @@ def _dkdv_step(dk, dv, start, pid, pid_bh, cols, k, v, q_ptr, do_ptr, lse_ptr, d
     if SQUARE:  # one 2D-tile quantization serves both GEMMs: the tile in phase 2's orientation, as it quantizes it
         s = _dot(q, tl.trans(k), TC, INTERPRETED) * s_scale
         if MASKED:
-            s = _masked(s, rows, cols, TQ, TK, keep_ptr, mb, sm_q, sm_k, HAS_KEEP, CAUSAL)
+            s = _masked(s, rows[:, None], cols[None, :], TQ, TK, keep_ptr, mb, sm_q, sm_k, HAS_KEEP, CAUSAL)
         p, ds = _probs_and_ds(s, lse, do, v, delta, dec_v, TC, INTERPRETED)
         dv += _dot(tl.trans(_bf16_values(p, TC, INTERPRETED)), do, TC, INTERPRETED)
         vals, vals_dec = quantize_tile(ds, stat_ptr, seed, pid_bh * TQ_ROWS + rows, pid * BN, KP_Q, BM, BN,
@@ -489,13 +492,7 @@ def _dkdv_step(dk, dv, start, pid, pid_bh, cols, k, v, q_ptr, do_ptr, lse_ptr, d
         return dk, dv
     st = _dot(k, tl.trans(q), TC, INTERPRETED) * s_scale  # S^T [BN, BM]
     if MASKED:
-        valid = (cols[:, None] < TK) & (rows[None, :] < TQ)
-        if CAUSAL:
-            valid = valid & (cols[:, None] <= rows[None, :])
-        if HAS_KEEP:
-            keep = tl.load(keep_ptr + mb + rows[None, :] * sm_q + cols[:, None] * sm_k, mask=valid, other=0)
-            valid = valid & (keep != 0)
-        st = tl.where(valid, st, float("-inf"))
+        st = _masked(st, rows[None, :], cols[:, None], TQ, TK, keep_ptr, mb, sm_q, sm_k, HAS_KEEP, CAUSAL)
     pt = _exp2(st - lse[None, :], INTERPRETED)  # as _probs_and_ds, transposed
     dst = pt * tl.fma(_dot(v, tl.trans(do), TC, INTERPRETED), dec_v, -delta[None, :])
     dv += _dot(_bf16_values(pt, TC, INTERPRETED), do, TC, INTERPRETED)
