@@ -7,7 +7,7 @@
  *     Q=7     normal 0, subnormal 0
  *     Q=1.75  normal 2396746, subnormal 2496609
  *     Q=448   normal 0, subnormal 599186 (the largest 0x1.24924p-129)
- * so FAST_QMAX is (6, 7, 448): exact at every normal quotient, and the misrounded subnormal ones (< 2^-127.5)
+ * so div_qmax takes 6, 7 and 448: exact at every normal quotient, and the misrounded subnormal ones (< 2^-127.5)
  * times s_enc <= 2^117 stay under 2^-10, which the E4M3 block scale rounds to 0 either way (div_qmax). */
 #include <math.h>
 #include <stdint.h>

@@ -156,7 +156,7 @@ def encode_factor(decode):
 @triton.jit
 def ue4m3_block_scale(amax, s_enc, QMAX: tl.constexpr, FAST: tl.constexpr = False):
     """s_b = e4m3_rne(min(amax_b / qmax * s_enc, FLT_MAX)), saturating at 448.  FAST: amax_b / qmax by div_qmax
-    (QMAX in FAST_QMAX; the same s_b for every amax, see there)."""
+    (QMAX 6, 7 or 448; the same s_b for every amax, see there)."""
     if FAST:
         quotient = div_qmax(amax, QMAX)
     else:
@@ -165,19 +165,15 @@ def ue4m3_block_scale(amax, s_enc, QMAX: tl.constexpr, FAST: tl.constexpr = Fals
     return round_float_grid(block, block, -6, 3, 448.0, False)
 
 
-#: the grid maxima (E2M1 6, INT4 7, E4M3 448) whose division div_qmax computes in three instructions
-FAST_QMAX = (6.0, 7.0, 448.0)
-
-
 @triton.jit
 def div_qmax(amax, QMAX: tl.constexpr):
-    """amax / QMAX for the two-level block scale, QMAX in FAST_QMAX: q = RN(amax c), r = amax - q QMAX (exact, one
+    """amax / QMAX for the two-level block scale, QMAX 6, 7 or 448 (E2M1, INT4, E4M3): q = RN(amax c), r = amax - q QMAX (exact, one
     FMA), RN(q + r c), with c = RN(1 / QMAX) -- three instructions for div_rn's ~14 (its reciprocal refined at run
     time, a range check and a branch, per block).  Checked for every positive FP32 amax (scripts/
     check_fast_division.c, 2026-12-07): correctly rounded at every normal quotient; an ulp off at some subnormal
     ones, the largest 0x1.55555p-128 (QMAX 6) and 0x1.24924p-129 (448; none for 7), where s_enc <= 2^117
     (MAX_TENSOR_ENCODE) keeps amax / QMAX * s_enc under 2^-10, which E4M3 rounds to 0 -- so the block scale
-    s_b is the IEEE division's for every amax.  (E1M2's 1.75 fails at normal quotients: not in FAST_QMAX.)"""
+    s_b is the IEEE division's for every amax.  (E1M2's 1.75 fails at normal quotients: IEEE division.)"""
     q = amax * (1.0 / QMAX)
     return tl.fma(tl.fma(-q, QMAX, amax), 1.0 / QMAX, q)
 
@@ -412,7 +408,7 @@ def quantize_tile(x, stat_ptr, seed, rows, col0, KP, BM: tl.constexpr, BK: tl.co
     if SCALE == 2:
         s_enc = tensor_encode_scale(tl.load(stat_ptr), QMAX)
         s_dec = tl.math.div_rn(1.0, s_enc)
-        if QMAX == 6.0 or QMAX == 7.0 or QMAX == 448.0:  # FAST_QMAX (spelt out: jit code reads no tuple global)
+        if QMAX == 6.0 or QMAX == 7.0 or QMAX == 448.0:  # div_qmax's grid maxima
             # the two divisions per block in a few instructions (the reciprocal's IEEE division for a tensor at
             # either end of FP32: a uniform branch)
             s_b = ue4m3_block_scale(amax, s_enc, QMAX, True)
