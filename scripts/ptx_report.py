@@ -20,7 +20,6 @@ barriers and an 8-byte stack to 11, 25 and none.
 """
 import argparse
 import collections
-import inspect
 import os
 import re
 import subprocess
@@ -32,8 +31,8 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from hopper_compile import (GROUPED_OPERAND_CASES, OPERAND_CASES, backward_cases,  # noqa: E402
-                            compile_for_hopper, group_stats_kernel_args, grouped_gemm_cases, operand_kernel_args,
-                            operand_plan, stats_kernel_args)
+                            compile_for_hopper, divisible_args, group_stats_kernel_args, grouped_gemm_cases,
+                            operand_kernel_args, operand_plan, stats_kernel_args)
 
 from hf_fp4.kernels import operand as K  # noqa: E402
 
@@ -93,9 +92,7 @@ def variants():
     # that, the report read scalar 16-bit loads and their address arithmetic, which the GPU does not run)
     for label, kernel, types, constexprs, _ in backward_cases():
         if "-tc1" in label and constexprs["PHASE"] > 0:
-            params = inspect.signature(kernel.fn).parameters
-            divisible = [p for p in params if p not in constexprs and (types.get(p, "").startswith("*")
-                                                                      or p in ATTENTION_SIZES)]
+            divisible = divisible_args(kernel, types, constexprs, ATTENTION_SIZES)
             for rows, keys, warps in ATTENTION_TILES:
                 yield (f"{label} {rows}x{keys}", kernel, types,
                        {**constexprs, "BM": rows, "BN": keys, "HAS_KEEP": False}, warps, divisible)

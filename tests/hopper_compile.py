@@ -58,6 +58,12 @@ OPERAND_CASES = {
 SIZES = ("R", "C", "s_r", "a_rows", "a_cols", "b_rows", "b_cols", "a_kp", "b_kp")
 
 
+def divisible_args(kernel, types: dict, constexprs: dict, sizes=SIZES) -> list[str]:
+    """The arguments the GPU's JIT marks divisible by 16 at an aligned launch: the pointers and the named sizes."""
+    return [p for p in inspect.signature(kernel.fn).parameters
+            if p not in constexprs and (types.get(p, "").startswith("*") or p in sizes)]
+
+
 def operand_kernel_args(a: OperandPlan | None, b: OperandPlan | None, grouped: bool = False):
     """(types, constexprs, warps, divisible) of the operand kernel for a contiguous, 16-aligned launch (the
     column stride a constant 1, as the JIT specialises it); grouped: rows in groups (the grouped expert GEMMs)."""
@@ -70,8 +76,7 @@ def operand_kernel_args(a: OperandPlan | None, b: OperandPlan | None, grouped: b
         types.update({prefix + "out": "*u8" if fp8 else "*bf16", prefix + "stat": "*fp32",
                       prefix + "scale": "*fp32", prefix + "seed": "*i64", prefix + "signs": "*fp32",
                       prefix + "side": "*u8", prefix + "eb": "*i8", prefix + "flags": "*i8"})
-    params = inspect.signature(operand._operand_kernel.fn).parameters
-    divisible = [p for p in params if p not in constexprs and (types.get(p, "").startswith("*") or p in SIZES)]
+    divisible = divisible_args(operand._operand_kernel, types, constexprs)
     return types, constexprs, warps, divisible
 
 
@@ -104,8 +109,7 @@ def stats_kernel_args(a: OperandPlan | None, b: OperandPlan | None, steps: int =
     _, (br, bc, warps), _, flags = operand._launch_config((a, b), None)
     constexprs = dict(BR=br, BC=bc, STEPS=steps, HAS_MU=False, EVEN=True, s_c=1, **flags)
     types = {"t_ptr": "*bf16", **{p: "*fp32" for p in ("mu_ptr", "a_stat", "a_signs", "b_stat", "b_signs")}}
-    params = inspect.signature(operand._stats_kernel.fn).parameters
-    divisible = [p for p in params if p not in constexprs and (types.get(p, "").startswith("*") or p in SIZES)]
+    divisible = divisible_args(operand._stats_kernel, types, constexprs)
     return types, constexprs, warps, divisible
 
 
@@ -132,8 +136,7 @@ def group_stats_kernel_args(a: OperandPlan | None, b: OperandPlan | None):
     constexprs = dict(BR=br, BC=bc, EVEN=True, CH=operand.GROUP_ROWS, s_c=1,
                       **{k: v for k, v in flags.items() if k != "ACROSS"}, ACROSS=operand.group_stats_across(a, b))
     types = {"t_ptr": "*bf16", "ids_ptr": "*i32", **{p: "*fp32" for p in ("a_stat", "a_signs", "b_stat", "b_signs")}}
-    params = inspect.signature(operand._group_stats_kernel.fn).parameters
-    divisible = [p for p in params if p not in constexprs and (types.get(p, "").startswith("*") or p in SIZES)]
+    divisible = divisible_args(operand._group_stats_kernel, types, constexprs)
     return types, constexprs, warps, divisible
 
 
@@ -147,8 +150,7 @@ def grouped_gemm_cases():
             ("", "*fp8e4nv" if fp8 else "*bf16"), ("_scale", "*fp32"), ("_flags", "*i8"), ("_x", "*bf16"))}}
         for label, kernel in (("rows", grouped_gemm._grouped_rows_kernel),
                               ("contraction", grouped_gemm._grouped_contraction_kernel)):
-            params = inspect.signature(kernel.fn).parameters
-            divisible = [p for p in params if p not in consts and (types.get(p, "").startswith("*") or p in sizes)]
+            divisible = divisible_args(kernel, types, consts, sizes)
             yield f"grouped-gemm-{label}{'-fp8' if fp8 else ''}", kernel, types, consts, warps, divisible
 
 

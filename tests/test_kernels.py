@@ -698,24 +698,7 @@ def test_the_tile_fake_quantizer_is_the_reference(spec, tile):
     assert torch.equal(out, want) and same_signs(out, want), str(spec)
 
 
-def _fp32_rn(v) -> "Fraction":
-    """An exact rational rounded to FP32 (ties to even, subnormals kept): the oracle of the fast divisions."""
-    from fractions import Fraction
-
-    if v == 0:
-        return Fraction(0)
-    e = max(math.floor(math.log2(abs(v))), -126)
-    while Fraction(2) ** e > abs(v) and e > -126:  # log2 of a rational may be off by one
-        e -= 1
-    while Fraction(2) ** (e + 1) <= abs(v):
-        e += 1
-    n = v / Fraction(2) ** (e - 23)
-    lo = math.floor(n)
-    up = n - lo > Fraction(1, 2) or (n - lo == Fraction(1, 2) and lo % 2 == 1)
-    return (lo + up) * Fraction(2) ** (e - 23)
-
-
-@pytest.mark.parametrize("name", ["nvfp4", "int4"])  # grid maxima 6 and 7: kernels.numerics.FAST_QMAX
+@pytest.mark.parametrize("name", ["nvfp4", "int4"])  # grid maxima 6 and 7, two of kernels.numerics.div_qmax's
 @pytest.mark.parametrize("s_enc_log2", [0, 116, 117], ids=["ordinary", "fast-largest", "ieee-reciprocal"])
 def test_the_tile_quantizers_fast_scale_divisions_give_the_references_block_scales(name, s_enc_log2):
     """quantize_tile's block scale divides by the grid max with div_qmax (three instructions, an ulp off at some
@@ -725,31 +708,28 @@ def test_the_tile_quantizers_fast_scale_divisions_give_the_references_block_scal
     ordinary; blocks at E4M3 ties of the block scale and just above; the tensor's own block."""
     from fractions import Fraction
 
+    from fp32_values import blocks_with_amax, f32, fp32_rn, up
     from hf_fp4.kernels.numerics import grid_constants
     from hf_fp4.kernels.quant import SCALE_CODES
 
     spec = QuantSpec.preset(name)
     qmax = hf_fp4.numerics.formats.grid_max(spec.grid)
-    f32 = lambda v: float(torch.tensor(float(v), dtype=torch.float32))  # noqa: E731
-    nxt = lambda v: float(torch.nextafter(torch.tensor(v, dtype=torch.float32), torch.tensor(math.inf)))  # noqa: E731
     tensor_amax = f32(448 * qmax * 2.0 ** -s_enc_log2)  # s_enc = 448 qmax / amax = 2^s_enc_log2
     amaxes = [tensor_amax]
     a = 2.0**-126  # the bottom binade, where div_qmax's misrounded quotients lie (every 12th amax for qmax 6)
     for _ in range(48):
         amaxes.append(a)
-        a = nxt(a)
+        a = up(a)
     for t in (1.0625, 1.1875, 12.5):  # E4M3 ties of s_b = amax / qmax * s_enc, and the next FP32 amax
         tie = f32(t * qmax * 2.0 ** -s_enc_log2)
-        amaxes += [tie, nxt(tie)]
-    c = _fp32_rn(Fraction(1) / Fraction(qmax))
+        amaxes += [tie, up(tie)]
+    c = fp32_rn(Fraction(1) / Fraction(qmax))
     misrounded = 0
     for am in map(Fraction, amaxes):
-        q = _fp32_rn(am * c)
-        misrounded += _fp32_rn(_fp32_rn(am - q * qmax) * c + q) != _fp32_rn(am / Fraction(qmax))
+        q = fp32_rn(am * c)
+        misrounded += fp32_rn(fp32_rn(am - q * qmax) * c + q) != fp32_rn(am / Fraction(qmax))
     assert misrounded > 0 or qmax == 7  # 7: div_qmax is exact everywhere (scripts/check_fast_division.c)
-    rows = torch.stack([torch.linspace(-0.9, 0.9, 16, dtype=torch.float64) * v for v in amaxes])
-    rows[torch.arange(len(amaxes)), torch.arange(len(amaxes)) % 16] = torch.tensor(amaxes, dtype=torch.float64)
-    x = rows.float().to(DEV)
+    x = blocks_with_amax(amaxes, 16).to(DEV)
     m, k = x.shape
     stat = x.abs().max().reshape(1)
     assert float(stat) == tensor_amax

@@ -11,31 +11,10 @@ import torch
 from hf_fp4 import QuantSpec, quantize
 from hf_fp4.numerics.formats import Grid, grid_emax, grid_max
 
+from fp32_values import blocks_with_amax, down, f32, up
+
 GRIDS = [Grid.E2M1, Grid.E1M2, Grid.INT4, Grid.E4M3]
 EXPONENTS = [-20, -3, 0, 5, 30]
-
-
-def f32(v: float) -> float:
-    return float(torch.tensor(v, dtype=torch.float32))
-
-
-def up(v: float) -> float:
-    """The next FP32 value above v (an FP32 value)."""
-    return float(torch.nextafter(torch.tensor(v, dtype=torch.float32), torch.tensor(math.inf)))
-
-
-def down(v: float) -> float:
-    return float(torch.nextafter(torch.tensor(v, dtype=torch.float32), torch.tensor(-math.inf)))
-
-
-def blocks_with_amax(amaxes: list[float], block: int = 32) -> torch.Tensor:
-    """One row per amax: the amax itself (sign alternating) and smaller values below it."""
-    rows = []
-    for i, a in enumerate(amaxes):
-        row = torch.linspace(-0.9, 0.9, block, dtype=torch.float64) * a
-        row[i % block] = a if i % 2 == 0 else -a
-        rows.append(row)
-    return torch.stack(rows).float()
 
 
 def stored_exponents(x: torch.Tensor, spec: QuantSpec) -> list[int]:
