@@ -15,6 +15,7 @@
 4. --copies: the kernels torch.compile generates around ours in one decoder block, by store count (a kernel
    storing one value into many buffers copies an input of our kernels once per argument slot).
 5. --gemm: cuBLAS FP8 GEMM time by scale granularity (tensor, row, 1x128) against BF16, at bench.py's shapes;
+   --bf16-gemm [linear|bench-50m|llama-1.1b]: the BF16-form GEMM (fused kernel per tile, torch.mm + epilogue);
    --triton-gemm: a Triton 1x128 FP8 GEMM (exactness per accumulation variant, time);
    --fp8-accuracy: the FP8 GEMMs' worst error against the FP32 accumulation bound, by contraction length.
 6. --attention-tiles: the flash kernels' time per tile (rows x keys x warps) at bench.py's attention shape
@@ -110,8 +111,9 @@ def main():
     p.add_argument("--code-dir", default=None, help="--copies: write each impl's generated code here")
     p.add_argument("--gemm", action="store_true",
                    help="FP8 GEMM time by scale granularity (tensor, row, 1x128 block) against BF16, per GEMM shape")
-    p.add_argument("--bf16-gemm", action="store_true",
-                   help="the BF16-form GEMM: torch.mm + epilogue against the fused Triton kernel per tile")
+    p.add_argument("--bf16-gemm", nargs="?", const="linear", default=None, choices=tuple(GEMM_SHAPES),
+                   help="the BF16-form GEMM: torch.mm + epilogue against the fused Triton kernel per tile and the "
+                        "op's route, at the GEMMs of the linear bench (default), bench-50m or the 1.1B Llama")
     p.add_argument("--triton-gemm", action="store_true", help="a Triton 1x128 FP8 GEMM: exactness and time")
     p.add_argument("--fp8-accuracy", action="store_true",
                    help="FP8 GEMM error against the FP32 accumulation bound, by contraction length")
@@ -137,7 +139,7 @@ def main():
              (args.moe_tiles, lambda: moe_tiles(dev, args.moe_tiles.split(","))),
              (args.optim, lambda: profile_optim(dev, args.optim.split(","))),
              (args.gemm, lambda: gemm_granularity(dev)),
-             (args.bf16_gemm, lambda: bf16_gemm_tiles(dev)),
+             (args.bf16_gemm, lambda: bf16_gemm_tiles(dev, args.bf16_gemm)),
              (args.triton_gemm, lambda: triton_blockwise_probe(dev)),
              (args.fp8_accuracy, lambda: fp8_accuracy(dev)),
              (args.mutations, lambda: mutations(dev))]
@@ -537,31 +539,45 @@ def moe_tiles(dev: str, presets: list[str]) -> None:
         grouped_gemm.TILE, grouped_gemm.FP8_TILE = default
 
 
-def bf16_gemm_tiles(dev: str, tokens: int = 8192) -> None:
-    """The BF16-form GEMM of each of the linear bench's nine GEMMs (fprop, dgrad, wgrad of 4096x4096, 4096x14336,
-    14336x4096 at 8192 tokens), captured (GPU time): torch.mm's BF16 output (the bf16 layer's GEMM: the floor),
-    torch.mm's FP32 output + scale_output (the epilogue pass), and the fused Triton kernel (kernels/src/bf16_gemm.py)
-    per tile -- with the count of output elements where the fused kernel differs from the epilogue path and the
-    largest difference in units of the BF16 output's magnitude."""
+#: --bf16-gemm's layers, (tokens, [(in_features, out_features), ...]): the linear bench's three, and the distinct
+#: linears of bench-50m (q / o, k / v, gate / up, down at 16 x 1024 tokens) and of bench.py's 1.1B Llama (4 x 2048)
+GEMM_SHAPES = {"linear": (8192, [(4096, 4096), (4096, 14336), (14336, 4096)]),
+               "bench-50m": (16384, [(640, 640), (640, 320), (640, 1728), (1728, 640)]),
+               "llama-1.1b": (8192, [(2048, 2048), (2048, 512), (2048, 5632), (5632, 2048)])}
+
+
+def bf16_gemm_tiles(dev: str, model: str = "linear") -> None:
+    """The BF16-form GEMM of each of a model's GEMMs (fprop, dgrad, wgrad of every distinct linear, GEMM_SHAPES),
+    captured (GPU time): torch.mm's BF16 output (the bf16 layer's GEMM: the floor), torch.mm's FP32 output +
+    scale_output (the epilogue pass), the op as FP4Linear calls it (the fused kernel, or the epilogue path where
+    bf16_gemm.long_and_narrow routes it), and the fused Triton kernel (kernels/src/bf16_gemm.py) per tile -- with
+    the count of output elements where the fused kernel differs from the epilogue path and the largest difference
+    in units of the BF16 output's magnitude."""
     from hf_fp4.kernels import bf16_gemm
     from hf_fp4.kernels.gemm import scale_output
+    from hf_fp4.nn.operands import _bf16_gemm_kernels
 
-    # session 26 (H100): 128 x 256 x 64 warp-specialised best in all (9.27 ms), without specialisation 9.66, 128 x 128
-    # tiles 10.06-10.33, 256 x 128 9.89-10.10, BK 128 11.10, 4 stages of 128 x 256 out of shared memory
-    tiles = [(128, 256, 64, 8, 3, 8, True), (128, 256, 64, 8, 3, 4, True), (128, 256, 64, 8, 3, 16, True),
-             (128, 256, 64, 4, 3, 8, True), (256, 128, 64, 8, 3, 8, True), (128, 128, 64, 8, 4, 8, True),
-             (128, 256, 64, 8, 3, 8, False)]
+    # session 26 (H100, the linear bench): 128 x 256 x 64 warp-specialised best in all (9.27 ms), without
+    # specialisation 9.66, 128 x 128 tiles 10.06-10.33, 256 x 128 9.89-10.10, BK 128 11.10, 4 stages of 128 x 256 out
+    # of shared memory.  The narrower tiles are for bench-50m's 320 / 640 columns (128 x 256 pads 640 to 768)
+    tiles = [(128, 256, 64, 8, 3, 8, True), (128, 128, 64, 8, 4, 8, True), (128, 128, 64, 4, 4, 8, True),
+             (128, 64, 64, 4, 4, 8, True), (256, 128, 64, 8, 3, 8, True), (128, 256, 64, 8, 3, 8, False)]
     sa, sb = torch.tensor([0.37], device=dev), torch.tensor([1.7e-3], device=dev)
     totals: dict = {}
-    print("| GEMM (M, N, K) | bf16 mm | mm fp32 + epilogue | " + " | ".join(map(str, tiles)) + " |")
-    for k, n in ((4096, 4096), (4096, 14336), (14336, 4096)):
+    tokens, layers = GEMM_SHAPES[model]
+    print(f"## {model}: {tokens} tokens, SMs {torch.cuda.get_device_properties(dev).multi_processor_count}")
+    print("| GEMM (M, N, K) | bf16 mm | mm fp32 + epilogue | op (route) | "
+          + " | ".join(map(str, tiles)) + " |")
+    for k, n in layers:
         for label, (mm, nn_, kk) in (("fprop", (tokens, n, k)), ("dgrad", (tokens, k, n)), ("wgrad", (n, k, tokens))):
             a = torch.randn(mm, kk, device=dev, dtype=torch.bfloat16)
             b = torch.randn(nn_, kk, device=dev, dtype=torch.bfloat16)
             ref = scale_output(torch.mm(a, b.t(), out_dtype=torch.float32), sa, sb, torch.bfloat16)
             row = [graph_ms(lambda: torch.mm(a, b.t())),
-                   graph_ms(lambda: scale_output(torch.mm(a, b.t(), out_dtype=torch.float32), sa, sb, torch.bfloat16))]
+                   graph_ms(lambda: scale_output(torch.mm(a, b.t(), out_dtype=torch.float32), sa, sb, torch.bfloat16)),
+                   graph_ms(lambda: _bf16_gemm_kernels(a, b, sa, sb))]
             cells = [f"{v:.3f}" for v in row]
+            cells[2] += " (mm)" if bf16_gemm.long_and_narrow(a, b) else " (fused)"
             for tile in tiles:
                 try:
                     out = bf16_gemm.bf16_gemm(a, b, sa, sb, tile=tile)

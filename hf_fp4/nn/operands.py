@@ -261,11 +261,12 @@ def _(a_data, a_scale, a_side, a_eb, a_flags, b_data, b_scale, b_side, b_eb, b_f
 
 def _bf16_gemm_kernels(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor,
                        b_scale: torch.Tensor) -> torch.Tensor:
-    """The fused BF16-form GEMM, or where an operand view starts off TMA's 16-byte alignment (which a compiler's
-    trace cannot see) torch.mm's FP32 output and the epilogue pass: the same roundings."""
-    from ..kernels.bf16_gemm import aligned, bf16_gemm
+    """The fused BF16-form GEMM, or torch.mm's FP32 output and the epilogue pass (the same roundings) where an
+    operand view starts off TMA's 16-byte alignment (which a compiler's trace cannot see) or the output has fewer
+    tiles than the GPU has SMs over a long contraction (a wgrad: cuBLAS splits K, see bf16_gemm.LONG_K)."""
+    from ..kernels.bf16_gemm import aligned, bf16_gemm, long_and_narrow
 
-    if aligned(a, b):
+    if aligned(a, b) and not long_and_narrow(a, b):
         return bf16_gemm(a, b, a_scale, b_scale)
     return _mm_scaled(a, b, a_scale, b_scale, torch.bfloat16)
 
