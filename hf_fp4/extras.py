@@ -38,6 +38,20 @@ def versions(*modules: str) -> dict[str, str]:
     return out
 
 
+def source_digest(root: str | None = None) -> str:
+    """A short SHA-256 of the Python sources under `root` (hf_fp4's package folder by default), in path order: which
+    code produced a run (the package version stays 0.1.0 across changes that alter numerics, such as a GEMM's
+    accumulation order)."""
+    import hashlib
+    from pathlib import Path
+
+    base = Path(root) if root is not None else Path(__file__).resolve().parent
+    digest = hashlib.sha256()
+    for path in sorted(base.rglob("*.py")):
+        digest.update(path.relative_to(base).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:12]
+
+
 def optional(module: str, extra: str | None, feature: str) -> ModuleType | None:
     """Import `module` for a feature that can be skipped; if it is missing, print one line and return None."""
     try:

@@ -1,6 +1,7 @@
 """Optional extras stay optional: each feature that needs one is skipped with a note or refused with the
 install line, with the package made unimportable (sys.modules[name] = None)."""
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -57,3 +58,20 @@ def test_compressed_tensors_export_is_refused_with_the_extra(monkeypatch, tmp_pa
     with pytest.raises(ImportError, match=r"compressed-tensors.*hf-fp4\[eval\]"):
         export_compressed_tensors(torch.nn.Linear(2, 2), None, tmp_path / "ct")
     assert not (tmp_path / "ct").exists()
+
+
+def test_the_source_digest_names_the_code_not_the_folder(tmp_path):
+    """Two copies of the same sources digest alike; one changed byte, a renamed module or a new one changes it."""
+    for name in ("a", "b"):
+        (tmp_path / name / "sub").mkdir(parents=True)
+        (tmp_path / name / "x.py").write_text("x = 1\n")
+        (tmp_path / name / "sub" / "y.py").write_text("y = 2\n")
+        (tmp_path / name / "notes.txt").write_text(name)  # not a source
+    a, b = (str(tmp_path / n) for n in ("a", "b"))
+    assert extras.source_digest(a) == extras.source_digest(b) and len(extras.source_digest(a)) == 12
+    (tmp_path / "b" / "sub" / "y.py").write_text("y = 3\n")
+    assert extras.source_digest(a) != extras.source_digest(b)
+    (tmp_path / "b" / "sub" / "y.py").write_text("y = 2\n")
+    (tmp_path / "b" / "sub" / "y.py").rename(tmp_path / "b" / "sub" / "z.py")
+    assert extras.source_digest(a) != extras.source_digest(b)
+    assert extras.source_digest() == extras.source_digest(str(Path(extras.__file__).parent))

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from hf_fp4.extras import source_digest
 from hf_fp4.train.study import gap_table, load_study, run_study, summarize
 from test_pretrain import losses, records, tiny_cfg
 
@@ -40,6 +41,7 @@ def test_study_runs_each_run_once_resumes_and_tabulates(corpus_files, tmp_path, 
         assert r["steps"] == 4 and r["tokens_trained"] == 4 * 4 * 32  # steps x batch x seq_len
         assert r["unique_tokens_available"] > 0 and r["epochs"] == round(512 / r["unique_tokens_available"], 4)
         assert r["final_val_loss"] == r["val_curve"][-1][1]
+        assert r["device"] == "cpu" and r["hf_fp4_source"] == source_digest()  # what ran, where
         speeds = sorted(rec["tokens_per_s"] for rec in records(out / "runs" / r["run"]))
         assert r["median_tokens_per_s"] == round(statistics.median(speeds)) > 0
     assert got["bf16-s0"]["final_val_loss"] != got["bf16-s1"]["final_val_loss"]  # the seeds differ

@@ -230,6 +230,7 @@ def _run_result(run: StudyRun) -> dict | None:
             "epochs": round(tokens / available, 4) if tokens and available else None,
             "final_train_loss": train[-1]["loss"] if train else None,
             "final_val_loss": val[-1][1] if val else None, "val_curve": val,
+            "device": info.get("device"), "hf_fp4_source": info.get("hf_fp4_source"),
             # throughput as the run saw it (runs sharing a GPU slow each other: compare within one study)
             "median_tokens_per_s": round(statistics.median(speeds)) if (speeds := [
                 r["tokens_per_s"] for r in records if r.get("tokens_per_s")]) else None}

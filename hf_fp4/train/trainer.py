@@ -35,7 +35,7 @@ from ..files import atomic_write_text, replace_dir
 from .data import TokenWindows, fingerprint, prepare_data
 from ..nn.diagnostics import locate_non_finite
 from ..nn.experts import experts_states, place_experts_state
-from ..extras import optional
+from ..extras import optional, source_digest, versions
 from ..hf.quantizer import FP4TrainConfig
 from ..optim import build_optimizer, param_groups
 from ..numerics.quantize import NonFiniteError
@@ -405,9 +405,14 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> di
               f"{sum(s.recipe.quantized for s in experts_states(accelerator.unwrap_model(model)).values())} FP4 "
               f"experts layers, {tokens_per_step} tokens/step, "
               f"{data.train_tokens} train / {data.val_tokens} val tokens")
+        # what ran: runs of one study made by different code can part ways long before their recipes differ
         atomic_write_text(run_dir / "run_info.json", json.dumps(
             {"train_tokens_available": data.train_tokens, "val_tokens": data.val_tokens,
-             "tokens_per_step": tokens_per_step, "processes": world, "parameters": n_params}))
+             "tokens_per_step": tokens_per_step, "processes": world, "parameters": n_params,
+             "device": torch.cuda.get_device_name(accelerator.device) if accelerator.device.type == "cuda"
+             else accelerator.device.type,
+             "versions": versions("torch", "triton", "transformers", "accelerate", "hf_fp4"),
+             "hf_fp4_source": source_digest()}))
     # a log file (a study's runs, a batch job) gets a progress line every 30 s, not one per step
     bar = tqdm(total=cfg.max_steps, initial=state.step, disable=not accelerator.is_main_process, desc="train",
                mininterval=0.1 if sys.stderr.isatty() else 30.0)
