@@ -84,18 +84,34 @@ def test_a_bad_study_fails_before_any_run(corpus_files, tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
-def test_gap_table_reports_the_bf16_seed_spread():
+def test_gap_table_reports_the_bf16_seed_spread_and_two_standard_errors_of_each_gap():
     rows = [{"label": "bf16", "recipe": "bf16", "final_val_loss": v, "tokens_trained": 10, "epochs": 0.5}
             for v in (4.0, 4.2)] + [{"label": "x", "recipe": "nvfp4", "final_val_loss": 4.41, "tokens_trained": 10,
                                      "epochs": 0.5}]
     table = gap_table(rows)
-    assert "| bf16 | bf16 | 2 | 10 | 0.5 | 4.1000 ± 0.1000 | +0.00% |" in table
-    assert "| x | nvfp4 | 1 | 10 | 0.5 | 4.4100 ± 0.0000 | +7.56% |" in table
-    assert "± 0.1000 (2.44% of its mean)" in table
+    # seed std of bf16's two runs: sqrt((0.1^2 + 0.1^2) / 1); x's gap: 2 std sqrt(1/1 + 1/2), % of 4.1
+    two_se = 100 * 2 * (0.02 ** 0.5) * (1.5 ** 0.5) / 4.1
+    assert "| bf16 | bf16 | 2 | 10 | 0.5 | 4.1000 ± 0.1000 | +0.00% | - |" in table
+    assert f"| x | nvfp4 | 1 | 10 | 0.5 | 4.4100 ± 0.0000 | +7.56% | ± {two_se:.2f}% |" in table
+    assert "± 0.1000 (2.44% of its mean)" in table and "seed std, pooled" in table and "0.1414 (3.45%" in table
+
+
+def test_the_seed_std_pools_every_label_with_seeds():
+    from hf_fp4.train.study import seed_std
+
+    def rows(label, *values):
+        return [{"label": label, "final_val_loss": v} for v in values]
+
+    groups = {"a": rows("a", 1.0, 1.2, 1.4), "b": rows("b", 2.0, 2.1), "c": rows("c", 9.0)}
+    # squared deviations 0.04 + 0 + 0.04 and 0.0025 + 0.0025 over 2 + 1 degrees of freedom; c (one seed) adds none
+    std, dof = seed_std(groups)
+    assert dof == 3 and std == pytest.approx((0.085 / 3) ** 0.5, rel=1e-12)
+    assert seed_std({"c": rows("c", 9.0)}) is None
 
 
 def test_claims_get_verdicts_against_the_seed_noise_and_a_beaten_bf16_is_flagged():
-    """worse - better in % of bf16's mean, against the largest half seed range of bf16 / better / worse."""
+    """worse - better in % of bf16's mean, against two standard errors of the difference of the two means (the
+    seed std pooled over the labels with seeds)."""
     from hf_fp4.train.study import beyond_bf16, claim_verdicts, claims_table
 
     def rows(label, *values):
@@ -109,14 +125,18 @@ def test_claims_get_verdicts_against_the_seed_noise_and_a_beaten_bf16_is_flagged
     v = claim_verdicts(results, claims)
     assert [x["verdict"] for x in v] == ["reproduced", "contradicted", "reproduced", "not run"]
     assert v[0]["difference_pct"] == pytest.approx(100 * (4.21 - 4.05) / 4.01, abs=1e-3)
-    assert v[0]["noise_pct"] == pytest.approx(100 * 0.01 / 4.01, abs=1e-3)
-    assert "| uniform beats E2M1 | UFP4 |  | ufp4 / nvfp4 | +3.99% (noise ± 0.25%) | reproduced |" in claims_table(v)
+    std = (0.0004 / 2) ** 0.5  # bf16's and nvfp4's squared deviations (4 x 0.0001) over 2 degrees of freedom
+    assert v[0]["noise_pct"] == pytest.approx(100 * 2 * std * (1 + 1 / 2) ** 0.5 / 4.01, abs=1e-3)
+    assert "| uniform beats E2M1 | UFP4 |  | ufp4 / nvfp4 | +3.99% (± 2 SE 0.86%) | reproduced |" in claims_table(v)
+    # one seed each against a seed std of 0.1414: 2 SE = 0.4 (9.5% of bf16), a 1.2% difference is inside it
     within = claim_verdicts(rows("bf16", 4.0, 4.2) + rows("a", 4.25) + rows("b", 4.3),
                             ({"claim": "c", "better": "a", "worse": "b"},))
     assert within[0]["verdict"] == "within seed noise"
     one_seed = claim_verdicts(rows("a", 4.25) + rows("b", 4.3), ({"claim": "c", "better": "b", "worse": "a"},))
     assert one_seed[0]["verdict"] == "fails (one seed)"
     assert beyond_bf16(results) == ["tib"]
+    # 3.98 is below bf16's mean by 0.03, inside 2 SE (0.035): not flagged
+    assert beyond_bf16(rows("bf16", 4.00, 4.02) + rows("nvfp4", 4.20, 4.22) + rows("near", 3.98)) == []
 
 
 def test_a_claim_naming_no_run_label_fails_at_load(corpus_files, tmp_path):

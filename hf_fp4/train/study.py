@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -254,38 +255,62 @@ def _half_range(runs: list[dict]) -> float:
     return (max(vals) - min(vals)) / 2
 
 
-def _spread(runs: list[dict]) -> float | None:
-    """Half the range of a label's final validation losses over its seeds (None for one seed)."""
-    return _half_range(runs) if len(runs) > 1 else None
+def seed_std(groups: dict[str, list[dict]]) -> tuple[float, int] | None:
+    """The per-run standard deviation of the final validation loss from seed to seed, pooled over every label with
+    two seeds or more (sum of squared deviations from each label's mean over the degrees of freedom), and those
+    degrees of freedom; None where no label has two seeds."""
+    ss = dof = 0.0
+    for runs in groups.values():
+        if len(runs) > 1:
+            mean = _mean(runs)
+            ss += sum((r["final_val_loss"] - mean) ** 2 for r in runs)
+            dof += len(runs) - 1
+    return (math.sqrt(ss / dof), int(dof)) if dof else None
+
+
+def _two_se(std: float, n_a: int, n_b: int) -> float:
+    """Two standard errors of the difference of two labels' means over n_a and n_b seeds (runs independent, each
+    with the pooled per-run std): a difference within it is not a measured one (~95%)."""
+    return 2 * std * math.sqrt(1 / n_a + 1 / n_b)
 
 
 def gap_table(results: list[dict]) -> str:
-    """Mean final validation loss per label (± half the range over seeds) and its gap to bf16's mean."""
+    """Mean final validation loss per label (± half the range over seeds), its gap to bf16's mean and two standard
+    errors of that gap (the pooled seed std, seed_std), and a note on the seed noise."""
     groups = _by_label(results)
     base = groups.get("bf16")
     base_mean = _mean(base) if base else None
     spread = _half_range(base) if base else None
-    lines = ["| label | recipe | seeds | tokens trained | epochs | final val loss | gap to bf16 |",
-             "|---|---|---|---|---|---|---|"]
+    noise = seed_std(groups)
+    lines = ["| label | recipe | seeds | tokens trained | epochs | final val loss | gap to bf16 | ± 2 SE |",
+             "|---|---|---|---|---|---|---|---|"]
     for label, runs in groups.items():
         mean, half = _mean(runs), _half_range(runs)
         gap = f"{100 * (mean - base_mean) / base_mean:+.2f}%" if base_mean else "n/a"
+        se = (f"± {100 * _two_se(noise[0], len(runs), len(base)) / base_mean:.2f}%"
+              if base_mean and noise and label != "bf16" else "-")
         epochs = runs[0]["epochs"]
         lines.append(f"| {label} | {runs[0]['recipe']} | {len(runs)} | {runs[0]['tokens_trained'] or '-'} | "
-                     f"{epochs if epochs is not None else '-'} | {mean:.4f} ± {half:.4f} | {gap} |")
+                     f"{epochs if epochs is not None else '-'} | {mean:.4f} ± {half:.4f} | {gap} | {se} |")
     note = (f"\nbf16 seed spread: ± {spread:.4f} ({100 * spread / base_mean:.2f}% of its mean) over {len(base)} "
             "seed(s); a gap inside it is not a measured difference.\n" if base else "\nNo bf16 run: no gaps.\n")
+    if noise and base_mean:
+        note += (f"Per-run seed std, pooled over the labels with two seeds or more: {noise[0]:.4f} "
+                 f"({100 * noise[0] / base_mean:.2f}% of bf16's mean, {noise[1]} degrees of freedom); ± 2 SE is two "
+                 "standard errors of a label's gap (its seeds and bf16's): a gap inside it is not a measured "
+                 "difference.\n")
     return "\n".join(lines) + "\n" + note
 
 
 def claim_verdicts(results: list[dict], claims: tuple[dict, ...]) -> list[dict]:
     """Each claim "`better` ends below `worse`" against the measured means: the difference (worse - better,
-    in % of bf16's mean) and a verdict -- reproduced / contradicted beyond the seed noise (the largest half
-    seed range of bf16, better and worse), within it, "holds / fails (one seed)" where no label has two
-    seeds yet, or "not run"."""
+    in % of bf16's mean) and a verdict -- reproduced / contradicted beyond two standard errors of the difference
+    (the pooled per-run seed std, seed_std, over each side's seeds), within them ("within seed noise"),
+    "holds / fails (one seed)" where no label has two seeds yet, or "not run"."""
     groups = _by_label(results)
     base = groups.get("bf16")
     base_mean = _mean(base) if base else None
+    std = seed_std(groups)
     out = []
     for c in claims:
         row = {**c, "difference_pct": None, "verdict": "not run"}
@@ -293,9 +318,8 @@ def claim_verdicts(results: list[dict], claims: tuple[dict, ...]) -> list[dict]:
             mean = {k: _mean(groups[c[k]]) for k in ("better", "worse")}
             ref = base_mean or mean["worse"]
             diff = 100 * (mean["worse"] - mean["better"]) / ref
-            spreads = [s for s in (_spread(groups[c["better"]]), _spread(groups[c["worse"]]),
-                                   _spread(base) if base else None) if s is not None]
-            noise = 100 * max(spreads) / ref if spreads else None
+            noise = (100 * _two_se(std[0], len(groups[c["better"]]), len(groups[c["worse"]])) / ref
+                     if std else None)
             if noise is None:
                 verdict = "holds (one seed)" if diff > 0 else "fails (one seed)"
             else:
@@ -311,20 +335,21 @@ def claims_table(verdicts: list[dict]) -> str:
              "|---|---|---|---|---|---|"]
     for v in verdicts:
         ours = "-" if v["difference_pct"] is None else f"{v['difference_pct']:+.2f}%" + (
-            f" (noise ± {v['noise_pct']:.2f}%)" if v.get("noise_pct") is not None else "")
+            f" (± 2 SE {v['noise_pct']:.2f}%)" if v.get("noise_pct") is not None else "")
         lines.append(f"| {v['claim']} | {v.get('source', '')} | {v.get('paper', '')} | {v['better']} / {v['worse']} "
                      f"| {ours} | {v['verdict']} |")
     return "\n".join(lines) + "\n"
 
 
 def beyond_bf16(results: list[dict]) -> list[str]:
-    """Labels whose mean final validation loss is below bf16's by more than bf16's seed spread: a 4-bit recipe
-    should not beat bf16, so each needs an explanation (issue 11)."""
+    """Labels whose mean final validation loss is below bf16's by more than two standard errors of the difference
+    (seed_std): a 4-bit recipe should not beat bf16, so each needs an explanation (issue 11)."""
     groups = _by_label(results)
-    base, spread = groups.get("bf16"), _spread(groups.get("bf16") or [])
-    if not base or spread is None:
+    base, std = groups.get("bf16"), seed_std(groups)
+    if not base or std is None:
         return []
-    return [label for label, runs in groups.items() if label != "bf16" and _mean(runs) < _mean(base) - spread]
+    return [label for label, runs in groups.items()
+            if label != "bf16" and _mean(runs) < _mean(base) - _two_se(std[0], len(runs), len(base))]
 
 
 def summarize(study: Study, out: str | Path) -> dict:
@@ -334,11 +359,11 @@ def summarize(study: Study, out: str | Path) -> dict:
     results = [r for r in (_run_result(run) for run in study.runs) if r is not None]
     verdicts = claim_verdicts(results, study.claims)
     beating = beyond_bf16(results)
-    summary = {"study": study.name, "runs": results, "claims": verdicts, "beyond_bf16_spread": beating}
+    summary = {"study": study.name, "runs": results, "claims": verdicts, "beyond_bf16_noise": beating}
     (out / "results.json").write_text(json.dumps(summary, indent=1))
     text = f"# Study {study.name}\n\n" + gap_table(results)
     if beating:
-        text += ("\n**Below bf16 by more than its seed spread** (a 4-bit recipe should not be; explain or report "
+        text += ("\n**Below bf16 by more than two standard errors** (a 4-bit recipe should not be; explain or report "
                  f"unexplained): {', '.join(beating)}\n")
     if verdicts:
         text += "\n## Claims\n\n" + claims_table(verdicts)
@@ -369,11 +394,12 @@ def _plot(results: list[dict], out: Path) -> None:
     base = statistics.mean(groups["bf16"])
     labels = list(groups)
     means = [100 * (statistics.mean(v) - base) / base for v in groups.values()]
-    errs = [100 * (max(v) - min(v)) / 2 / base for v in groups.values()]
+    std = seed_std(_by_label(results))
+    errs = [100 * _two_se(std[0], len(v), len(groups["bf16"])) / base if std else 0.0 for v in groups.values()]
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.bar(labels, means, yerr=errs, capsize=4)
     ax.axhline(0, color="black", linewidth=0.8)
-    ax.set(ylabel="final val loss gap to bf16 (%)", title="gap to bf16 (error bars: half the seed range)")
+    ax.set(ylabel="final val loss gap to bf16 (%)", title="gap to bf16 (error bars: 2 standard errors, pooled seed std)")
     ax.tick_params(axis="x", rotation=45)
     fig.tight_layout()
     fig.savefig(out / "gaps.png", dpi=120)
