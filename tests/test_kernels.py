@@ -564,18 +564,19 @@ def test_the_bf16_gemm_op_takes_a_misaligned_view_through_torch_mm_with_the_same
 
 
 def test_a_long_contraction_onto_few_output_tiles_goes_to_torch_mm_with_the_same_roundings(monkeypatch):
-    """A wgrad's shape -- an output of fewer tiles than the GPU has SMs, summed over K >= LONG_K -- runs on torch.mm's
-    FP32 output and the epilogue pass (cuBLAS splits K; one persistent program per tile walks all of K), a shorter
-    contraction or a wider output on the fused kernel: both give the exact sums' bits."""
+    """A small weight's wgrad -- an output of fewer tiles than half the GPU's SMs, summed over K >= LONG_K -- runs on
+    torch.mm's FP32 output and the epilogue pass (cuBLAS splits K; one persistent program per tile walks all of K),
+    a shorter contraction or a wider output on the fused kernel: both give the exact sums' bits."""
     from hf_fp4.kernels import bf16_gemm as fused
     from hf_fp4.nn.operands import _bf16_gemm_kernels
 
     launched = []
     kernel = fused.bf16_gemm
     monkeypatch.setattr(fused, "bf16_gemm", lambda *args: launched.append(args[0].shape) or kernel(*args))
-    monkeypatch.setattr(fused, "TILE", (16, 16, 16, 4, 1, 2, False))  # the interpreter's 4 programs: 4 tiles fill it
+    monkeypatch.setattr(fused, "TILE", (16, 16, 16, 4, 1, 2, False))  # the interpreter's 4 programs: 2 tiles are half
     monkeypatch.setattr(fused, "LONG_K", 64)
-    for (m, n, k), on_kernel in (((24, 16, 64), False), ((24, 16, 48), True), ((40, 24, 64), True)):
+    for (m, n, k), on_kernel in (((16, 16, 64), False), ((16, 16, 48), True), ((24, 16, 64), True),
+                                 ((40, 24, 64), True)):
         a, b, sa, sb, expected = _exact_sum_gemm_case(m, n, k, seed=m + k)
         launched.clear()
         assert torch.equal(_bf16_gemm_kernels(a, b, sa, sb).view(torch.int16), expected.view(torch.int16))

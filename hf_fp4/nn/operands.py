@@ -263,7 +263,7 @@ def _bf16_gemm_kernels(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor,
                        b_scale: torch.Tensor) -> torch.Tensor:
     """The fused BF16-form GEMM, or torch.mm's FP32 output and the epilogue pass (the same roundings) where an
     operand view starts off TMA's 16-byte alignment (which a compiler's trace cannot see) or the output has fewer
-    tiles than the GPU has SMs over a long contraction (a wgrad: cuBLAS splits K, see bf16_gemm.LONG_K)."""
+    tiles than half the GPU's SMs over a long contraction (a small wgrad: cuBLAS splits K, see bf16_gemm.LONG_K)."""
     from ..kernels.bf16_gemm import aligned, bf16_gemm, long_and_narrow
 
     if aligned(a, b) and not long_and_narrow(a, b):

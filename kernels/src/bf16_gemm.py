@@ -34,10 +34,11 @@ ENABLED = True
 #: attribute to change it.
 TILE = (128, 256, 64, 8, 3, 8, True)
 
-#: The contraction length from which an output of fewer TILE tiles than the GPU's SMs goes to torch.mm's FP32 output
-#: and the epilogue pass instead (`long_and_narrow`).  The persistent kernel gives each output tile to one program,
-#: which walks the whole contraction: with fewer tiles than SMs the GPU runs at tiles / SMs of its rate for K / BK
-#: steps, while cuBLAS splits K.  Profiled on bench-50m (H100, `profile_fast_path.py --e2e nvfp4 --e2e-model
+#: The contraction length from which an output of fewer TILE tiles than half the GPU's SMs goes to torch.mm's FP32
+#: output and the epilogue pass instead (`long_and_narrow`).  The persistent kernel gives each output tile to one
+#: program, which walks the whole contraction: with fewer tiles than SMs the GPU runs at tiles / SMs of its rate for
+#: K / BK steps, while cuBLAS splits K (half: the 1.1B Llama's 2048 x 2048 wgrad has 128 tiles for 132 SMs, one
+#: nearly full wave, and stays here).  Profiled on bench-50m (H100, `profile_fast_path.py --e2e nvfp4 --e2e-model
 #: bench-50m`, session 30): the fused kernel took 17.4 ms of a 42.9 ms step, its wgrads (640 x 640 x 16384: 15
 #: tiles, 320 x 640: 9, 1728 x 640: 42 -- for 132 SMs) the most of it.  From this length on torch.mm's FP32 output
 #: (8 bytes per output element written and read back) costs little beside the 2 K flops per element.
@@ -86,11 +87,12 @@ def fits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def long_and_narrow(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether a @ b^T contracts over at least LONG_K and has fewer output tiles (TILE) than the kernel has
-    persistent programs (one per SM): a wgrad's shape (weights' rows x columns, summed over the tokens), which
+    """Whether a @ b^T contracts over at least LONG_K and has fewer output tiles (TILE) than half the kernel's
+    persistent programs (one per SM): a small weight's wgrad (its rows x columns, summed over the tokens), which
     torch.mm's split-K runs faster (see LONG_K)."""
     bm, bn = TILE[:2]
-    return a.shape[1] >= LONG_K and triton.cdiv(a.shape[0], bm) * triton.cdiv(b.shape[0], bn) < default_programs(a)
+    tiles = triton.cdiv(a.shape[0], bm) * triton.cdiv(b.shape[0], bn)
+    return a.shape[1] >= LONG_K and 2 * tiles < default_programs(a)
 
 
 def aligned(*tensors: torch.Tensor) -> bool:
