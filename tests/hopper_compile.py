@@ -13,14 +13,15 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from hf_fp4 import QuantSpec
-from hf_fp4.kernels import attention, bf16_gemm, gemm, grouped_gemm, operand, sharq
+from hf_fp4.kernels import attention, bf16_gemm, gemm, grouped_gemm, operand, optim, sharq
 from hf_fp4.kernels.numerics import grid_constants
 from hf_fp4.kernels.quant import SCALE_CODES
 from hf_fp4.numerics.operand_plan import OperandPlan
 
 
 #: Kernels launched with enable_fp_fusion=False (kernels/src/attention.py: every product and sum rounded on its own).
-UNFUSED = (attention._flash_forward_kernel, attention._lse_kernel, attention._dq_kernel, attention._dkdv_kernel)
+UNFUSED = (attention._flash_forward_kernel, attention._lse_kernel, attention._dq_kernel, attention._dkdv_kernel,
+           optim._fp4_adamw_kernel)
 
 
 def compile_for_hopper(kernel, types: dict, constexprs: dict, num_warps: int = 4, divisible=(), fp_fusion=None):
@@ -186,7 +187,25 @@ def bf16_gemm_cases():
         yield f"bf16-gemm-ws{int(specialize)}", bf16_gemm._bf16_gemm_kernel, types, consts, warps, ("M", "N", "K")
 
 
+def fp4_adamw_cases():
+    """FP4AdamW's step (kernels/src/optim.py), both passes, an NVFP4 and an MXFP4 state, FP32 and BF16 parameters."""
+    bm, bk, warps = optim.TILE
+    ptrs = ("m_codes", "m_scales", "v_codes", "v_scales")
+    for name, p_type in (("nvfp4", "*fp32"), ("mxfp4", "*bf16")):
+        spec = QuantSpec.preset(name)
+        types = {"p_ptr": p_type, "g_ptr": p_type, **{k: "*u8" for k in ptrs}, "m_ts": "*fp32", "v_ts": "*fp32",
+                 "values_ptr": "*fp32", "factors_ptr": "*fp32", "stat_ptr": "*fp32", "m_ts_out": "*fp32",
+                 "v_ts_out": "*fp32", **{k: "fp32" for k in ("b1", "one_minus_b1", "b2", "one_minus_b2", "c1", "c2",
+                                                             "eps", "decay", "lr")}}
+        for pass_ in (0, 1):
+            consts = dict(BM=bm, BK=bk, BR=spec.block[0], BC=spec.block[1], **grid_constants(spec.grid),
+                          SCALE=SCALE_CODES[spec.scale], STEP=0.5, SQRT_V=True, P_BF16=p_type == "*bf16", PASS=pass_,
+                          INTERPRETED=False)
+            yield f"fp4-adamw-{name}-pass{pass_}", optim._fp4_adamw_kernel, types, consts, warps
+
+
 def cases():
+    yield from fp4_adamw_cases()
     for label, (a, b) in OPERAND_CASES.items():
         types, constexprs, warps, divisible = operand_kernel_args(a, b)
         yield f"operand-{label}", operand._operand_kernel, types, constexprs, warps, divisible

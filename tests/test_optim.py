@@ -105,6 +105,75 @@ def test_the_sqrt_transform_keeps_more_of_a_heavy_tailed_second_moment():
     assert err["sqrt"] < err["none"], err
 
 
+def _state_bits(opt, p):
+    st = opt.state[p]
+    return {k: v.reshape(-1).view(torch.uint8) for k, v in st.items() if k.endswith(
+        ("_codes", "_scales", "_tensor_scale"))}
+
+
+@pytest.mark.parametrize("spec", ["nvfp4", "mxfp4", "ufp4", "int4"])
+@pytest.mark.parametrize("transform,dtype", [("sqrt", torch.float32), ("none", torch.float32),
+                                             ("sqrt", torch.bfloat16)], ids=str)
+def test_the_fused_step_is_the_pytorch_step_bit_for_bit(spec, transform, dtype):
+    """hf_fp4.kernels.optim (Triton's interpreter here) against FP4AdamW's PyTorch path: three steps of a
+    parameter whose shape pads the state (37 x 83: rows to the block, columns to 16 / 32), gradients over four
+    decades (zero codes in v, floored), FP32 and BF16 parameters -- the parameters, codes, block scales and tensor
+    scales equal bit for bit."""
+    from hf_fp4.kernels.optim import supports
+
+    assert supports(QuantSpec.preset(spec))
+    shape = (37, 83)
+    runs = {}
+    for backend in ("triton", "reference"):
+        p = params(shape=shape).detach().to(dtype).requires_grad_()
+        opt = FP4AdamW([p], lr=LR, betas=(B1, B2), eps=EPS, weight_decay=WD, state_spec=spec, v_transform=transform,
+                       min_numel=1, backend=backend)
+        for step in range(3):
+            p.grad = grads(step, shape).to(dtype)
+            opt.step()
+        runs[backend] = p.detach().clone(), _state_bits(opt, p)
+    (p_fused, st_fused), (p_ref, st_ref) = runs["triton"], runs["reference"]
+    assert torch.equal(p_fused.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                       p_ref.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+    assert st_fused.keys() == st_ref.keys() and len(st_ref) == 6
+    for key in st_ref:
+        assert torch.equal(st_fused[key], st_ref[key]), key
+
+
+def test_the_fused_step_is_used_where_it_applies():
+    """backend "auto" on the CPU, "reference", a state spec the kernels do not take (8-bit) and a
+    non-contiguous parameter keep the PyTorch path; "triton" takes the kernels (the interpreter here)."""
+    p = params()
+    p.grad = grads(0)
+    assert FP4AdamW([p], backend="triton", min_numel=1)._fused_ready(p)
+    assert not FP4AdamW([p], backend="auto", min_numel=1)._fused_ready(p)
+    assert not FP4AdamW([p], backend="reference", min_numel=1)._fused_ready(p)
+    assert not FP4AdamW([p], backend="triton", state_spec="mxfp8", min_numel=1)._fused_ready(p)
+    q = torch.randn(96, 64).t().requires_grad_()
+    q.grad = torch.randn(96, 64).t()
+    assert not FP4AdamW([q], backend="triton", min_numel=1)._fused_ready(q)
+    with pytest.raises(ValueError, match="backend='cuda': valid values are auto, triton, reference"):
+        FP4AdamW([p], backend="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("shape", [(4096, 4096), (1000, 1728)], ids=str)
+def test_the_fused_step_is_the_pytorch_step_at_full_size_on_gpu(shape):
+    runs = {}
+    for backend in ("triton", "reference"):
+        g = torch.Generator(device="cuda").manual_seed(0)
+        p = torch.randn(shape, device="cuda", generator=g).requires_grad_()
+        opt = FP4AdamW([p], lr=LR, betas=(B1, B2), eps=EPS, weight_decay=WD, backend=backend)
+        for step in range(3):
+            p.grad = torch.randn(shape, device="cuda", generator=g) * torch.logspace(-4, 0, shape[1], device="cuda")
+            opt.step()
+        runs[backend] = p.detach().clone(), _state_bits(opt, p)
+    assert torch.equal(runs["triton"][0].view(torch.int32), runs["reference"][0].view(torch.int32))
+    for key, want in runs["reference"][1].items():
+        assert torch.equal(runs["triton"][1][key], want), key
+
+
 def test_bad_options_and_non_finite_gradients_are_refused():
     with pytest.raises(ValueError, match="v_transform='log': valid values are sqrt, none"):
         FP4AdamW([params()], v_transform="log")

@@ -83,6 +83,11 @@ def grid_max(grid: "Grid | str") -> float:
     return _MAGNITUDES[as_grid(grid)][-1]
 
 
+def grid_step(grid: "Grid | str") -> float:
+    """Smallest non-zero magnitude of the grid (E2M1 0.5, E1M2 0.25, INT4 1)."""
+    return min(m for m in _MAGNITUDES[as_grid(grid)] if m > 0)
+
+
 def grid_emax(grid: "Grid | str") -> int:
     """floor(log2(grid max)): the exponent of the largest normal value, used by the OCP E8M0 rule."""
     return int(torch.tensor(grid_max(grid)).frexp().exponent.item()) - 1

@@ -14,6 +14,12 @@ non-zero m by eps alone.  Two choices make it survive 4 bits:
 
 Smaller parameters (norms, biases) keep FP32 moments.  The state dict holds only tensors (codes and scales
 as uint8, the tensor scale in FP32), so save/load through torch.save or accelerate is exact.
+
+The update (`_update`) rounds once per operation -- products and sums apart, the bias corrections multiplied as
+FP32 reciprocals -- so that it means the same on every device (PyTorch's fused forms, add(alpha=) or a division
+by a scalar, round differently on CPU and CUDA).  backend "triton" (the default on CUDA) runs a quantized
+parameter's whole step in two kernel launches (hf_fp4.kernels.optim, bit-exact with this module's PyTorch
+path, "reference"); the PyTorch path launches ~35 kernels per parameter.
 """
 from __future__ import annotations
 
@@ -24,13 +30,14 @@ import math
 import torch
 
 from ..nn.backends import fast_block_decode, fast_dequantize, quantize
-from ..numerics.formats import magnitudes
+from ..numerics.formats import grid_step
 from ..numerics.qtensor import QuantizedTensor
 from ..numerics.spec import QuantSpec, as_spec
 
 from ._common import _run_closure, _with_grads
 
 V_TRANSFORMS = ("sqrt", "none")
+BACKENDS = ("auto", "triton", "reference")
 #: Gradients at or above this magnitude are refused: below it g^2 < 2^126, so v = b2 v + (1 - b2) g^2 stays finite.
 GRAD_LIMIT = 2.0**63
 _STORED = ("_codes", "_scales", "_tensor_scale")
@@ -41,9 +48,11 @@ class FP4AdamW(torch.optim.Optimizer):
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, state_spec: "QuantSpec | str" = "nvfp4", v_transform: str = "sqrt",
-                 min_numel: int = 4096):
+                 min_numel: int = 4096, backend: str = "auto"):
         if v_transform not in V_TRANSFORMS:
             raise ValueError(f"v_transform={v_transform!r}: valid values are {', '.join(V_TRANSFORMS)}")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend={backend!r}: valid values are {', '.join(BACKENDS)}")
         if not 0.0 <= betas[0] < 1.0 or not 0.0 <= betas[1] < 1.0:
             raise ValueError(f"betas must be in [0, 1), got {betas}")
         if lr < 0 or eps <= 0 or weight_decay < 0:
@@ -51,7 +60,7 @@ class FP4AdamW(torch.optim.Optimizer):
         spec = as_spec(state_spec)
         if spec.rounding.value != "nearest":
             raise ValueError("state_spec must round to nearest (the state is re-quantized every step)")
-        self.spec, self.v_transform, self.min_numel = spec, v_transform, int(min_numel)
+        self.spec, self.v_transform, self.min_numel, self.backend = spec, v_transform, int(min_numel), backend
         self._store_spec = dataclasses.replace(spec, nonfinite="propagate")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
 
@@ -88,7 +97,7 @@ class FP4AdamW(torch.optim.Optimizer):
         values = fast_dequantize(q, crop=False)
         if floor_zeros:  # a zero code stands for "below the grid": the middle of that range, not 0
             (mp, kp), (br, bc) = values.shape, self.spec.block
-            half = (fast_block_decode(q) * q.tensor_scale * _smallest_step(self.spec)) / 2
+            half = (fast_block_decode(q) * q.tensor_scale * grid_step(self.spec.grid)) / 2
             blocks = values.view(mp // br, br, kp // bc, bc)
             values = torch.where(blocks == 0, half.view(mp // br, 1, kp // bc, 1), blocks).view(mp, kp)
         return q._crop(values).reshape(p.shape)
@@ -114,8 +123,6 @@ class FP4AdamW(torch.optim.Optimizer):
             raise FloatingPointError(f"FP4AdamW: non-finite gradient, or one of magnitude >= 2^63 (its square "
                                      f"overflows FP32); the state would be lost on re-quantization: skip the step")
         for group, p in walk:
-            b1, b2 = group["betas"]
-            g = p.grad.float()
             state = self.state[p]
             if not state:
                 state["step"] = torch.zeros((), dtype=torch.float32)
@@ -125,22 +132,65 @@ class FP4AdamW(torch.optim.Optimizer):
                     self._store(state, "v", zeros)
                 else:
                     state["m"], state["v"] = zeros, zeros.clone()
-            m, v = self.moments(p)
-            m = m.mul(b1).add_(g, alpha=1 - b1)
-            v = v.mul(b2).addcmul_(g, g, value=1 - b2)
             state["step"] += 1
-            t = float(state["step"])
-            denom = (v / (1 - b2 ** t)).sqrt_().add_(group["eps"])
-            update = (m / (1 - b1 ** t)) / denom
-            master = p.float()
-            master.mul_(1 - group["lr"] * group["weight_decay"]).add_(update, alpha=-group["lr"])
+            scalars = _scalars(group, float(state["step"]))
+            if self.quantized(p) and self._fused_ready(p):
+                self._fused_step(p, state, scalars)
+                continue
+            m, v = self.moments(p)
+            m, v, master = _update(m, v, p.grad.float(), p.float(), scalars)
             p.copy_(master)
             if self.quantized(p):
                 self._store(state, "m", m)
-                self._store(state, "v", v.sqrt() if self.v_transform == "sqrt" else v)
+                self._store(state, "v", _sqrt_rn(v) if self.v_transform == "sqrt" else v)
             else:
                 state["m"], state["v"] = m, v
         return loss
+
+    def _fused_ready(self, p: torch.Tensor) -> bool:
+        """Whether p's step runs on the kernels (backend, device, state spec)."""
+        from ..kernels.gemm import _kernel_device
+        from ..kernels.optim import supports
+
+        if self.backend == "reference" or not supports(self.spec) or not (
+                p.is_contiguous() and p.grad.is_contiguous() and p.grad.device == p.device):
+            return False
+        return p.is_cuda if self.backend == "auto" else _kernel_device(p)
+
+    def _fused_step(self, p: torch.Tensor, state: dict, scalars: dict) -> None:
+        from ..kernels.optim import fp4_adamw_step
+
+        p2 = p if p.dim() == 2 else p.view(-1, p.shape[-1])
+        g2 = p.grad if p.grad.dim() == 2 else p.grad.view(-1, p.grad.shape[-1])
+        moments = [{"codes": state[f"{n}_codes"], "scales": state[f"{n}_scales"],
+                    "tensor_scale": state[f"{n}_tensor_scale"]} for n in ("m", "v")]
+        m_ts, v_ts = fp4_adamw_step(p2, g2, *moments, self.spec, scalars, self.v_transform == "sqrt")
+        state["m_tensor_scale"], state["v_tensor_scale"] = m_ts, v_ts
+
+
+def _scalars(group: dict, t: float) -> dict:
+    """The step's scalars as the update uses them (each rounded to FP32 where it meets a tensor)."""
+    b1, b2 = group["betas"]
+    return {"b1": b1, "one_minus_b1": 1 - b1, "b2": b2, "one_minus_b2": 1 - b2, "c1": 1 / (1 - b1 ** t),
+            "c2": 1 / (1 - b2 ** t), "eps": group["eps"], "decay": 1 - group["lr"] * group["weight_decay"],
+            "lr": group["lr"]}
+
+
+def _update(m: torch.Tensor, v: torch.Tensor, g: torch.Tensor, master: torch.Tensor, s: dict):
+    """AdamW's step in FP32, one IEEE rounding per operation (the spec of the kernels' update):
+    m' = m b1 + g (1 - b1);  v' = v b2 + (g g)(1 - b2);  p' = p (1 - lr wd) - (m' c1 / (sqrt(v' c2) + eps)) lr,
+    with c1, c2 the bias corrections' reciprocals.  Returns (m', v', p')."""
+    m = m.mul(s["b1"]).add(g.mul(s["one_minus_b1"]))
+    v = v.mul(s["b2"]).add(g.mul(g).mul(s["one_minus_b2"]))
+    denom = _sqrt_rn(v.mul(s["c2"])).add(s["eps"])
+    update = m.mul(s["c1"]).div(denom)
+    return m, v, master.mul(s["decay"]).sub(update.mul(s["lr"]))
+
+
+def _sqrt_rn(x: torch.Tensor) -> torch.Tensor:
+    """The correctly rounded FP32 square root: through FP64 (exact enough that the rounding to FP32 is the correct
+    one).  PyTorch's CPU sqrt of FP32 vectors misses it by an ulp for some inputs (a vectorised approximation)."""
+    return x.double().sqrt().float()
 
 
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:
@@ -152,7 +202,3 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
 def _scale_dtype(spec: QuantSpec) -> torch.dtype:
     return {"ue4m3_fp32": torch.float8_e4m3fn, "e8m0_floor": torch.float8_e8m0fnu,
             "e8m0_ceil": torch.float8_e8m0fnu}.get(spec.scale.value, torch.float32)
-
-
-def _smallest_step(spec: QuantSpec) -> float:
-    return float(min(m for m in magnitudes(spec.grid) if m > 0))

@@ -51,6 +51,43 @@ def load_tile(x_ptr, rows, cols, M, K, stride_m, stride_k, mu_ptr, HAS_MU: tl.co
 
 
 @triton.jit
+def encode_tile(x, bad, stat_ptr, seed, rows, col0, KP, BM: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr,
+                BC: tl.constexpr, GRID: tl.constexpr, EMIN: tl.constexpr, MBITS: tl.constexpr, QMAX: tl.constexpr,
+                QM: tl.constexpr, QE: tl.constexpr, EMAX: tl.constexpr, BITS: tl.constexpr, SCALE: tl.constexpr,
+                STOCHASTIC: tl.constexpr):
+    """The reference's codes of a [BM, BK] FP32 tile (subnormals flushed, non-finite values zeroed and flagged in
+    `bad`): (element codes [BM, BK] int32, sign in the top bit, 0 in a flagged block; the stored block scales
+    [BM // BR, BK // BC] -- E8M0 / E4M3 bytes, or FP32 --; the flagged blocks).  SCALE 2's tensor amax is at
+    stat_ptr; SR's noise is the padded [Mp, KP] matrix's at global `rows` and columns col0 + ..."""
+    amax = block_max(tl.abs(x), BM, BK, BR, BC)  # [BM // BR, BK // BC]
+    if SCALE == 0 or SCALE == 1:  # E8M0: floor (OCP) or ceil (truncation-free)
+        e = e8m0_exponent(amax, SCALE == 1, QM, QE, EMAX)
+        stored = (e + 127).to(tl.uint8)
+        encode = pow2(-e)
+    elif SCALE == 2:  # UE4M3 block scale + FP32 tensor scale
+        s_enc = tensor_encode_scale(tl.load(stat_ptr), QMAX)
+        s_b = ue4m3_block_scale(amax, s_enc, QMAX)
+        stored = grid_code(s_b, -6, 3).to(tl.uint8)
+        decode = s_b * tl.math.div_rn(1.0, s_enc)
+        encode = tl.where(s_b > 0, encode_factor(decode), 0.0)
+    else:  # FP32
+        stored = tl.math.div_rn(amax, QMAX)
+        encode = tl.where(stored > 0, tl.math.div_rn(tl.full(stored.shape, 1.0, tl.float32), stored), 0.0)
+    bad_block = block_any(bad.to(tl.int32), BM, BK, BR, BC) > 0
+    scaled = x * expand_blocks(encode, BM, BK, BR, BC)
+    m = tl.abs(scaled)
+    if STOCHASTIC:
+        u = sr_uniforms(seed, rows, col0, KP, BM, BK)
+    else:
+        u = m
+    q = round_grid(m, u, GRID, STOCHASTIC)
+    sign = (scaled.to(tl.int32, bitcast=True) >> 31) & 1
+    code = grid_code(q, EMIN, MBITS) | (sign << (BITS - 1))
+    code = tl.where(expand_blocks(bad_block.to(tl.int32), BM, BK, BR, BC) > 0, 0, code)
+    return code, stored, bad_block
+
+
+@triton.jit
 def _quantize_kernel(x_ptr, codes_ptr, scales_ptr, stat_ptr, mu_ptr, signs_ptr, bad_ptr,
                      M, K, KP, stride_m, stride_k, seed,
                      BM: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
@@ -70,31 +107,8 @@ def _quantize_kernel(x_ptr, codes_ptr, scales_ptr, stat_ptr, mu_ptr, signs_ptr, 
         tl.atomic_max(stat_ptr, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
         tl.atomic_max(bad_ptr, tl.max(tl.max(bad.to(tl.int32), axis=1), axis=0))
         return
-    amax = block_max(tl.abs(x), BM, BK, BR, BC)  # [BM // BR, BK // BC]
-    if SCALE == 0 or SCALE == 1:  # E8M0: floor (OCP) or ceil (truncation-free)
-        e = e8m0_exponent(amax, SCALE == 1, QM, QE, EMAX)
-        stored = (e + 127).to(tl.uint8)
-        encode = pow2(-e)
-    elif SCALE == 2:  # UE4M3 block scale + FP32 tensor scale
-        s_enc = tensor_encode_scale(tl.load(stat_ptr), QMAX)
-        s_b = ue4m3_block_scale(amax, s_enc, QMAX)
-        stored = grid_code(s_b, -6, 3).to(tl.uint8)
-        decode = s_b * tl.math.div_rn(1.0, s_enc)
-        encode = tl.where(s_b > 0, encode_factor(decode), 0.0)
-    else:  # FP32
-        stored = tl.math.div_rn(amax, QMAX)
-        encode = tl.where(stored > 0, tl.math.div_rn(tl.full(stored.shape, 1.0, tl.float32), stored), 0.0)
-    bad_block = block_any(bad.to(tl.int32), BM, BK, BR, BC) > 0
-    scaled = x * expand_blocks(encode, BM, BK, BR, BC)
-    m = tl.abs(scaled)
-    if STOCHASTIC:
-        u = sr_uniforms(seed, rows, pid_k * BK, KP, BM, BK)
-    else:
-        u = m
-    q = round_grid(m, u, GRID, STOCHASTIC)
-    sign = (scaled.to(tl.int32, bitcast=True) >> 31) & 1
-    code = grid_code(q, EMIN, MBITS) | (sign << (BITS - 1))
-    code = tl.where(expand_blocks(bad_block.to(tl.int32), BM, BK, BR, BC) > 0, 0, code)
+    code, stored, bad_block = encode_tile(x, bad, stat_ptr, seed, rows, pid_k * BK, KP, BM, BK, BR, BC, GRID, EMIN,
+                                          MBITS, QMAX, QM, QE, EMAX, BITS, SCALE, STOCHASTIC)
     if BITS == 4:
         lo, hi = tl.split(tl.reshape(code, [BM, BK // 2, 2]))
         packed = (lo | (hi << 4)).to(tl.uint8)

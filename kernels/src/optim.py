@@ -1,0 +1,182 @@
+"""FP4AdamW's step for one quantized parameter in two launches (hf_fp4.optim.FP4AdamW, backend "triton").
+
+The PyTorch path decodes both moments, updates them and re-quantizes them in ~35 launches per parameter (host-bound
+for a model of many small matrices); here, per tile of the padded [Mp, Kp] state:
+
+  pass 0: decode m and v (grid value x block decode, then x tensor decode; v's zero codes floored to half the
+          block's smallest step), the AdamW update of m, v and the parameter (written), and the tensor amax of
+          the new m and of the stored form of the new v (sqrt(v) or v) by atomic max;
+  pass 1: the same m, v again from the unchanged state, quantized against those amaxes into codes and block
+          scales in place (each program reads and writes only its own tile), the new tensor decode scales
+          written by program (0, 0) into fresh tensors.
+
+Every operation rounds as `FP4AdamW._update` (the reference, PyTorch ops one IEEE rounding each): products and
+sums apart (the launch disables FP contraction), sqrt and division correctly rounded, the bias corrections and
+decay passed as the FP32 scalars PyTorch makes of them.  Quantization is `quant.encode_tile`, the codes of
+`triton_quantize` (bit-exact with the reference).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from hf_fp4.numerics.formats import ELEMENT_BITS, grid_step
+from hf_fp4.numerics.scales import ScaleRule
+from hf_fp4.numerics.spec import QuantSpec
+
+from .launch import launcher
+from .numerics import bf16_bits, expand_blocks, flush_subnormals, grid_constants, tensor_encode_scale
+from .quant import SCALE_CODES, encode_tile
+
+#: Tile (rows, columns, warps) of the padded state.
+TILE = (16, 128, 4)
+
+
+def supports(spec: QuantSpec) -> bool:
+    """Whether the kernels take a state spec: 4-bit grids with E8M0 or UE4M3 + FP32 block scales, rounding to
+    nearest (FP4AdamW's own check)."""
+    return ELEMENT_BITS[spec.grid] == 4 and spec.scale is not ScaleRule.FP32
+
+
+@triton.jit
+def _moment(codes_ptr, scales_ptr, ts_ptr, values_ptr, factors_ptr, pid_m, pid_k, MP, KP,
+            BM: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, FLOOR: tl.constexpr,
+            STEP: tl.constexpr):
+    """A [BM, BK] tile of a stored moment in FP32, as FP4AdamW._load: (grid value x block decode) x tensor decode
+    (the reference's lookup tables at values_ptr [16], factors_ptr [256]); FLOOR: a zero becomes
+    ((block decode x tensor decode) x STEP) / 2."""
+    HK: tl.constexpr = BK // 2
+    rows = pid_m * BM + tl.arange(0, BM)
+    pcols = pid_k * HK + tl.arange(0, HK)
+    inside = (rows[:, None] < MP) & (pcols[None, :] < KP // 2)
+    byte = tl.load(codes_ptr + rows[:, None].to(tl.int64) * (KP // 2) + pcols[None, :], mask=inside,
+                   other=0).to(tl.int32)
+    nibbles = tl.reshape(tl.join(byte & 15, byte >> 4), [BM, BK])  # low nibble = even element
+    NBM: tl.constexpr = BM // BR
+    NBK: tl.constexpr = BK // BC
+    srows = pid_m * NBM + tl.arange(0, NBM)
+    scols = pid_k * NBK + tl.arange(0, NBK)
+    sinside = (srows[:, None] < MP // BR) & (scols[None, :] < KP // BC)
+    sbyte = tl.load(scales_ptr + srows[:, None].to(tl.int64) * (KP // BC) + scols[None, :], mask=sinside,
+                    other=0).to(tl.int32)
+    factor = expand_blocks(tl.load(factors_ptr + sbyte), BM, BK, BR, BC)
+    ts = tl.load(ts_ptr)
+    values = (tl.load(values_ptr + nibbles) * factor) * ts
+    if FLOOR:
+        values = tl.where(values == 0, ((factor * ts) * STEP) * 0.5, values)
+    return values
+
+
+@triton.jit
+def _fp4_adamw_kernel(p_ptr, g_ptr, m_codes, m_scales, m_ts, v_codes, v_scales, v_ts, values_ptr, factors_ptr,
+                      stat_ptr, m_ts_out, v_ts_out, M, K, MP, KP, stride_p, stride_g,
+                      b1, one_minus_b1, b2, one_minus_b2, c1, c2, eps, decay, lr,
+                      BM: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, GRID: tl.constexpr,
+                      EMIN: tl.constexpr, MBITS: tl.constexpr, QMAX: tl.constexpr, QM: tl.constexpr,
+                      QE: tl.constexpr, EMAX: tl.constexpr, SCALE: tl.constexpr, STEP: tl.constexpr,
+                      SQRT_V: tl.constexpr, P_BF16: tl.constexpr, PASS: tl.constexpr, INTERPRETED: tl.constexpr):
+    pid_m, pid_k = tl.program_id(0), tl.program_id(1)
+    rows = pid_m * BM + tl.arange(0, BM)
+    cols = pid_k * BK + tl.arange(0, BK)
+    inside = (rows[:, None] < M) & (cols[None, :] < K)
+    g = tl.load(g_ptr + rows[:, None].to(tl.int64) * stride_g + cols[None, :], mask=inside, other=0.0)
+    g = g.to(tl.float32)
+    m = _moment(m_codes, m_scales, m_ts, values_ptr, factors_ptr, pid_m, pid_k, MP, KP, BM, BK, BR, BC, False, STEP)
+    v = _moment(v_codes, v_scales, v_ts, values_ptr, factors_ptr, pid_m, pid_k, MP, KP, BM, BK, BR, BC, True, STEP)
+    if SQRT_V:
+        v = v * v
+    # FP4AdamW._update, one rounding per operation
+    m = m * b1 + g * one_minus_b1
+    v = v * b2 + (g * g) * one_minus_b2
+    m = tl.where(inside, m, 0.0)  # the state's padding quantizes zeros, as the reference's padded copy
+    v = tl.where(inside, v, 0.0)
+    stored_v = tl.sqrt_rn(v) if SQRT_V else v
+    if PASS == 0:
+        denom = tl.sqrt_rn(v * c2) + eps
+        update = tl.math.div_rn(m * c1, denom)
+        pp = p_ptr + rows[:, None].to(tl.int64) * stride_p + cols[None, :]
+        p = tl.load(pp, mask=inside, other=0.0).to(tl.float32)
+        p = p * decay - update * lr
+        if P_BF16:
+            if INTERPRETED:  # the interpreter's cast truncates: round to nearest even by hand
+                tl.store(pp, bf16_bits(p).to(tl.bfloat16, bitcast=True), mask=inside)
+            else:
+                tl.store(pp, p.to(tl.bfloat16), mask=inside)
+        else:
+            tl.store(pp, p, mask=inside)
+        tl.atomic_max(stat_ptr, tl.max(tl.max(tl.abs(flush_subnormals(m)), axis=1), axis=0))
+        tl.atomic_max(stat_ptr + 1, tl.max(tl.max(flush_subnormals(stored_v), axis=1), axis=0))
+    else:
+        _store_moment(flush_subnormals(m), m_codes, m_scales, stat_ptr, m_ts_out, pid_m, pid_k, MP, KP, BM, BK,
+                      BR, BC, GRID, EMIN, MBITS, QMAX, QM, QE, EMAX, SCALE)
+        _store_moment(flush_subnormals(stored_v), v_codes, v_scales, stat_ptr + 1, v_ts_out, pid_m, pid_k, MP, KP,
+                      BM, BK, BR, BC, GRID, EMIN, MBITS, QMAX, QM, QE, EMAX, SCALE)
+
+
+@triton.jit
+def _store_moment(x, codes_ptr, scales_ptr, stat_ptr, ts_out, pid_m, pid_k, MP, KP, BM: tl.constexpr,
+                  BK: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, GRID: tl.constexpr, EMIN: tl.constexpr,
+                  MBITS: tl.constexpr, QMAX: tl.constexpr, QM: tl.constexpr, QE: tl.constexpr, EMAX: tl.constexpr,
+                  SCALE: tl.constexpr):
+    """x's codes and block scales over the tile (the reference's, against the tensor amax at stat_ptr), and for
+    SCALE 2 the tensor decode scale 1 / s_enc at ts_out (program (0, 0))."""
+    rows = pid_m * BM + tl.arange(0, BM)
+    code, stored, _ = encode_tile(x, x != x, stat_ptr, 0, rows, pid_k * BK, KP, BM, BK, BR, BC, GRID, EMIN, MBITS,
+                                  QMAX, QM, QE, EMAX, 4, SCALE, False)
+    HK: tl.constexpr = BK // 2
+    lo, hi = tl.split(tl.reshape(code, [BM, HK, 2]))
+    pcols = pid_k * HK + tl.arange(0, HK)
+    inside = (rows[:, None] < MP) & (pcols[None, :] < KP // 2)
+    tl.store(codes_ptr + rows[:, None].to(tl.int64) * (KP // 2) + pcols[None, :], (lo | (hi << 4)).to(tl.uint8),
+             mask=inside)
+    NBM: tl.constexpr = BM // BR
+    NBK: tl.constexpr = BK // BC
+    srows = pid_m * NBM + tl.arange(0, NBM)
+    scols = pid_k * NBK + tl.arange(0, NBK)
+    sinside = (srows[:, None] < MP // BR) & (scols[None, :] < KP // BC)
+    tl.store(scales_ptr + srows[:, None].to(tl.int64) * (KP // BC) + scols[None, :], stored.to(tl.uint8),
+             mask=sinside)
+    if SCALE == 2:
+        if (pid_m == 0) & (pid_k == 0):
+            tl.store(ts_out, tl.math.div_rn(1.0, tensor_encode_scale(tl.load(stat_ptr), QMAX)))
+
+
+@functools.lru_cache(maxsize=None)
+def _tables(spec: QuantSpec, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference's decodes (hf_fp4.nn.backends._decode_tables): a 4-bit code's grid value [16], a scale byte's
+    block decode factor [256]."""
+    from hf_fp4.nn.backends import _decode_tables
+
+    values, factors = _decode_tables(spec, device)
+    return values[:16, 0].contiguous(), factors
+
+
+def fp4_adamw_step(p: torch.Tensor, g: torch.Tensor, m: dict, v: dict, spec: QuantSpec, scalars: dict,
+                   sqrt_v: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """One FP4AdamW step of parameter p (2D view [M, K], rows of unit column stride) with gradient g: p updated in
+    place, the codes and scales of m and v ({"codes", "scales", "tensor_scale"}) rewritten in place; returns the
+    new tensor decode scales of m and v (fresh tensors; the old ones unchanged).  scalars: FP4AdamW's _scalars."""
+    (M, K), (br, bc) = p.shape, spec.block
+    MP, KP = m["codes"].shape[0], m["codes"].shape[1] * 2
+    bm, bk, warps = TILE
+    bm, bk = max(bm, br), max(bk, bc)
+    dev = p.device
+    stat = torch.zeros(2, dtype=torch.float32, device=dev)
+    two_level = spec.scale is ScaleRule.UE4M3_FP32
+    m_ts = torch.empty((), dtype=torch.float32, device=dev) if two_level else m["tensor_scale"]
+    v_ts = torch.empty((), dtype=torch.float32, device=dev) if two_level else v["tensor_scale"]
+    consts = grid_constants(spec.grid)
+    grid = (triton.cdiv(MP, bm), triton.cdiv(KP, bk))
+    interpreted = dev.type == "cpu"
+    for pass_ in (0, 1):
+        launcher(_fp4_adamw_kernel)[grid](
+            p, g, m["codes"], m["scales"], m["tensor_scale"], v["codes"], v["scales"], v["tensor_scale"],
+            *_tables(spec, dev),
+            stat, m_ts, v_ts, M, K, MP, KP, p.stride(0), g.stride(0), **scalars, BM=bm, BK=bk, BR=br, BC=bc,
+            SCALE=SCALE_CODES[spec.scale], STEP=grid_step(spec.grid), SQRT_V=sqrt_v,
+            P_BF16=p.dtype == torch.bfloat16, PASS=pass_, INTERPRETED=interpreted, num_warps=warps,
+            enable_fp_fusion=False, **consts)
+    return m_ts, v_ts
