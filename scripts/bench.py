@@ -840,7 +840,7 @@ def bench_sharq(dev, quick, results):
                     ["K x N"] + list(traffic), rows)
 
 
-OPTIMIZERS = (("adamw", {}), ("fp4_adamw", {}), ("muon", {}),
+OPTIMIZERS = (("adamw", {}), ("fp4_adamw", {}), ("fp4_adamw", {"backend": "reference"}), ("muon", {}),
               ("muon", {"ns_spec": "nvfp4", "ns_iteration": "cubic", "ns_steps": 12}))
 
 
@@ -879,7 +879,8 @@ def bench_optim(dev, quick, results):
         ms = timed(step, ids, warmup=1, reps=3 if quick else 10)
         peak = torch.cuda.max_memory_allocated() / 2**20 if dev == "cuda" else None
         n_params = sum(p.numel() for p in model.parameters())
-        label = name + ("+nvfp4_ns" if options.get("ns_spec") else "")
+        label = name + ("+nvfp4_ns" if options.get("ns_spec") else "") + (
+            ":reference" if options.get("backend") == "reference" else "")  # FP4AdamW's PyTorch path
         results.setdefault("optim", []).append({"model": "bench-50m" if not quick else "tiny", "impl": label,
                                                 "state_bytes_per_param": round(state_bytes(opt) / n_params, 4),
                                                 "peak_mib": None if peak is None else round(peak, 1),
