@@ -149,7 +149,7 @@ class FP4AdamW(torch.optim.Optimizer):
 
     def _fused_ready(self, p: torch.Tensor) -> bool:
         """Whether p's step runs on the kernels (backend, device, state spec)."""
-        from ..kernels.gemm import _kernel_device
+        from ..kernels.gemm import _kernel_device  # Triton is imported only when asked for
         from ..kernels.optim import supports
 
         if self.backend == "reference" or not supports(self.spec) or not (
@@ -158,13 +158,13 @@ class FP4AdamW(torch.optim.Optimizer):
         return p.is_cuda if self.backend == "auto" else _kernel_device(p)
 
     def _fused_step(self, p: torch.Tensor, state: dict, scalars: dict) -> None:
-        from ..kernels.optim import fp4_adamw_step
+        from ..kernels.optim import triton_fp4_adamw_step
 
         p2 = p if p.dim() == 2 else p.view(-1, p.shape[-1])
         g2 = p.grad if p.grad.dim() == 2 else p.grad.view(-1, p.grad.shape[-1])
         moments = [{"codes": state[f"{n}_codes"], "scales": state[f"{n}_scales"],
                     "tensor_scale": state[f"{n}_tensor_scale"]} for n in ("m", "v")]
-        m_ts, v_ts = fp4_adamw_step(p2, g2, *moments, self.spec, scalars, self.v_transform == "sqrt")
+        m_ts, v_ts = triton_fp4_adamw_step(p2, g2, *moments, self.spec, scalars, self.v_transform == "sqrt")
         state["m_tensor_scale"], state["v_tensor_scale"] = m_ts, v_ts
 
 

@@ -399,7 +399,8 @@ def _plot(results: list[dict], out: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.bar(labels, means, yerr=errs, capsize=4)
     ax.axhline(0, color="black", linewidth=0.8)
-    ax.set(ylabel="final val loss gap to bf16 (%)", title="gap to bf16 (error bars: 2 standard errors, pooled seed std)")
+    ax.set(ylabel="final val loss gap to bf16 (%)",
+           title="gap to bf16 (error bars: 2 standard errors, pooled seed std)")
     ax.tick_params(axis="x", rotation=45)
     fig.tight_layout()
     fig.savefig(out / "gaps.png", dpi=120)

@@ -154,7 +154,7 @@ def _tables(spec: QuantSpec, device: torch.device) -> tuple[torch.Tensor, torch.
     return values[:16, 0].contiguous(), factors
 
 
-def fp4_adamw_step(p: torch.Tensor, g: torch.Tensor, m: dict, v: dict, spec: QuantSpec, scalars: dict,
+def triton_fp4_adamw_step(p: torch.Tensor, g: torch.Tensor, m: dict, v: dict, spec: QuantSpec, scalars: dict,
                    sqrt_v: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """One FP4AdamW step of parameter p (2D view [M, K], rows of unit column stride) with gradient g: p updated in
     place, the codes and scales of m and v ({"codes", "scales", "tensor_scale"}) rewritten in place; returns the
