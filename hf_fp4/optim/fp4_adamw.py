@@ -24,12 +24,13 @@ path, "reference"); the PyTorch path launches ~35 kernels per parameter.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 
 import torch
 
-from ..nn.backends import fast_block_decode, fast_dequantize, quantize
+from ..nn.backends import _decode_tables, fast_block_decode, fast_dequantize, quantize
 from ..numerics.formats import grid_step
 from ..numerics.qtensor import QuantizedTensor
 from ..numerics.spec import QuantSpec, as_spec
@@ -164,8 +165,17 @@ class FP4AdamW(torch.optim.Optimizer):
         g2 = p.grad if p.grad.dim() == 2 else p.grad.view(-1, p.grad.shape[-1])
         moments = [{"codes": state[f"{n}_codes"], "scales": state[f"{n}_scales"],
                     "tensor_scale": state[f"{n}_tensor_scale"]} for n in ("m", "v")]
-        m_ts, v_ts = triton_fp4_adamw_step(p2, g2, *moments, self.spec, scalars, self.v_transform == "sqrt")
+        m_ts, v_ts = triton_fp4_adamw_step(p2, g2, *moments, self.spec, _nibble_tables(self.spec, p.device),
+                                           scalars, self.v_transform == "sqrt")
         state["m_tensor_scale"], state["v_tensor_scale"] = m_ts, v_ts
+
+
+@functools.lru_cache(maxsize=None)
+def _nibble_tables(spec: QuantSpec, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference's decodes for the kernels: a 4-bit code's grid value [16] (a byte's low nibble) and a scale
+    byte's block decode factor [256] (hf_fp4.nn.backends._decode_tables)."""
+    values, factors = _decode_tables(spec, device)
+    return values[:16, 0].contiguous(), factors
 
 
 def _scalars(group: dict, t: float) -> dict:

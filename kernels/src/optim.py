@@ -17,8 +17,6 @@ decay passed as the FP32 scalars PyTorch makes of them.  Quantization is `quant.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -144,21 +142,13 @@ def _store_moment(x, codes_ptr, scales_ptr, stat_ptr, ts_out, pid_m, pid_k, MP, 
             tl.store(ts_out, tl.math.div_rn(1.0, tensor_encode_scale(tl.load(stat_ptr), QMAX)))
 
 
-@functools.lru_cache(maxsize=None)
-def _tables(spec: QuantSpec, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The reference's decodes (hf_fp4.nn.backends._decode_tables): a 4-bit code's grid value [16], a scale byte's
-    block decode factor [256]."""
-    from hf_fp4.nn.backends import _decode_tables
-
-    values, factors = _decode_tables(spec, device)
-    return values[:16, 0].contiguous(), factors
-
-
-def triton_fp4_adamw_step(p: torch.Tensor, g: torch.Tensor, m: dict, v: dict, spec: QuantSpec, scalars: dict,
-                   sqrt_v: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def triton_fp4_adamw_step(p: torch.Tensor, g: torch.Tensor, m: dict, v: dict, spec: QuantSpec, tables: tuple,
+                          scalars: dict, sqrt_v: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """One FP4AdamW step of parameter p (2D view [M, K], rows of unit column stride) with gradient g: p updated in
     place, the codes and scales of m and v ({"codes", "scales", "tensor_scale"}) rewritten in place; returns the
-    new tensor decode scales of m and v (fresh tensors; the old ones unchanged).  scalars: FP4AdamW's _scalars."""
+    new tensor decode scales of m and v (fresh tensors; the old ones unchanged).  tables: the reference's decodes
+    on p's device, a 4-bit code's grid value [16] and a scale byte's block decode factor [256]; scalars:
+    FP4AdamW's _scalars."""
     (M, K), (br, bc) = p.shape, spec.block
     MP, KP = m["codes"].shape[0], m["codes"].shape[1] * 2
     bm, bk, warps = TILE
@@ -173,8 +163,7 @@ def triton_fp4_adamw_step(p: torch.Tensor, g: torch.Tensor, m: dict, v: dict, sp
     interpreted = dev.type == "cpu"
     for pass_ in (0, 1):
         launcher(_fp4_adamw_kernel)[grid](
-            p, g, m["codes"], m["scales"], m["tensor_scale"], v["codes"], v["scales"], v["tensor_scale"],
-            *_tables(spec, dev),
+            p, g, m["codes"], m["scales"], m["tensor_scale"], v["codes"], v["scales"], v["tensor_scale"], *tables,
             stat, m_ts, v_ts, M, K, MP, KP, p.stride(0), g.stride(0), **scalars, BM=bm, BK=bk, BR=br, BC=bc,
             SCALE=SCALE_CODES[spec.scale], STEP=grid_step(spec.grid), SQRT_V=sqrt_v,
             P_BF16=p.dtype == torch.bfloat16, PASS=pass_, INTERPRETED=interpreted, num_warps=warps,
