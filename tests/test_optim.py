@@ -141,8 +141,9 @@ def test_the_fused_step_is_the_pytorch_step_bit_for_bit(spec, transform, dtype):
 
 
 def test_the_fused_step_is_used_where_it_applies():
-    """backend "auto" on the CPU, "reference", a state spec the kernels do not take (8-bit) and a
-    non-contiguous parameter keep the PyTorch path; "triton" takes the kernels (the interpreter here)."""
+    """backend "auto" on the CPU, "reference", a state spec the kernels do not take (8-bit), a non-contiguous
+    parameter and a tensor subclass (FSDP2's DTensor shards) keep the PyTorch path; "triton" takes the kernels (the
+    interpreter here)."""
     p = params()
     p.grad = grads(0)
     assert FP4AdamW([p], backend="triton", min_numel=1)._fused_ready(p)
@@ -152,6 +153,13 @@ def test_the_fused_step_is_used_where_it_applies():
     q = torch.randn(96, 64).t().requires_grad_()
     q.grad = torch.randn(96, 64).t()
     assert not FP4AdamW([q], backend="triton", min_numel=1)._fused_ready(q)
+
+    class Shard(torch.Tensor):  # a tensor subclass, as FSDP2's DTensor parameters are
+        pass
+
+    d = torch.nn.Parameter(torch.randn(64, 96).as_subclass(Shard))
+    d.grad = torch.randn(64, 96).as_subclass(Shard)
+    assert not FP4AdamW([d], backend="triton", min_numel=1)._fused_ready(d)
     with pytest.raises(ValueError, match="backend='cuda': valid values are auto, triton, reference"):
         FP4AdamW([p], backend="cuda")
 

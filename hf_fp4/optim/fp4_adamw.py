@@ -149,12 +149,14 @@ class FP4AdamW(torch.optim.Optimizer):
         return loss
 
     def _fused_ready(self, p: torch.Tensor) -> bool:
-        """Whether p's step runs on the kernels (backend, device, state spec)."""
+        """Whether p's step runs on the kernels (backend, device, state spec; plain contiguous tensors -- a
+        tensor subclass such as FSDP2's DTensor shard keeps the PyTorch path, whose ops it dispatches)."""
         from ..kernels.gemm import _kernel_device  # Triton is imported only when asked for
         from ..kernels.optim import supports
 
         if self.backend == "reference" or not supports(self.spec) or not (
-                p.is_contiguous() and p.grad.is_contiguous() and p.grad.device == p.device):
+                type(p.data) is torch.Tensor and type(p.grad) is torch.Tensor and p.is_contiguous()
+                and p.grad.is_contiguous() and p.grad.device == p.device):
             return False
         return p.is_cuda if self.backend == "auto" else _kernel_device(p)
 
