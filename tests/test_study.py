@@ -139,6 +139,32 @@ def test_claims_get_verdicts_against_the_seed_noise_and_a_beaten_bf16_is_flagged
     assert beyond_bf16(rows("bf16", 4.00, 4.02) + rows("nvfp4", 4.20, 4.22) + rows("near", 3.98)) == []
 
 
+def test_the_goal_is_met_missed_or_not_measurable_against_two_standard_errors():
+    from hf_fp4.train.study import goal_verdict
+
+    def rows(label, *values):
+        return [{"label": label, "final_val_loss": v} for v in values]
+
+    base = rows("bf16", 4.00, 4.02, 4.01)  # squared deviations 0.0002 over 2 degrees of freedom
+    met = goal_verdict(base + rows("a", 4.015, 4.005, 4.01) + rows("b", 4.3), 0.5)  # a: 0.00005 over 2
+    assert met["best"] == "a" and met["verdict"] == "met" and met["gap_pct"] == pytest.approx(0.0, abs=1e-9)
+    std = ((0.0002 + 0.00005) / 4) ** 0.5  # pooled; 2 SE of a 3-seed against a 3-seed mean: 2 std sqrt(2 / 3)
+    assert met["two_se_pct"] == pytest.approx(100 * 2 * std * (2 / 3) ** 0.5 / 4.01, abs=1e-3)
+    assert goal_verdict(base + rows("a", 4.12, 4.11, 4.13), 0.5)["verdict"] == "missed"  # +2.7% +- 0.4%
+    assert goal_verdict(base + rows("a", 4.03, 4.02, 4.04), 0.5)["verdict"] == "not measurable yet"  # +0.5% +- 0.4%
+    assert goal_verdict(rows("bf16", 4.0) + rows("a", 4.0), 0.5)["verdict"] == "not measurable yet"  # no spread
+    assert goal_verdict(base, 0.5) is None
+
+
+@pytest.mark.parametrize("goal", [0, -1, "half", True])
+def test_a_bad_goal_fails_at_load(corpus_files, tmp_path, goal):
+    path = write_study(tmp_path, corpus_files, [{"recipe": "bf16"}])
+    spec = yaml.safe_load(path.read_text())
+    path.write_text(yaml.safe_dump({**spec, "goal": goal}))
+    with pytest.raises(ValueError, match="goal must be a positive percentage"):
+        load_study(path, tmp_path / "out")
+
+
 def test_a_claim_naming_no_run_label_fails_at_load(corpus_files, tmp_path):
     path = write_study(tmp_path, corpus_files, [{"recipe": "bf16"}, {"recipe": "nvfp4"}],
                        claims=[{"claim": "x", "better": "ufp4", "worse": "nvfp4"}])

@@ -14,12 +14,13 @@ A study file (configs/study/*.yaml)::
     claims:                            # the papers' claims, each as "label `better` ends below label `worse`"
       - {claim: "UFP4's uniform grid beats E2M1", source: "UFP4 (2026)", paper: "lower gap than E2M1",
          better: ufp4, worse: nvfp4}
+    goal: 0.5                          # optional: "the best FP4 label within 0.5% of bf16" (goal_verdict)
 
 Each run entry is a set of TrainConfig keys (plus `label`, default the recipe, and `seeds`); every run's
 config is validated before the first one starts.  `run_study` tokenises each dataset the runs need once,
 then runs them as `python -m hf_fp4 pretrain` subprocesses, several at once (one GPU each when GPUs are
 given), skipping finished runs and resuming interrupted ones; `summarize` writes results.json, table.md (gap to bf16
-with the bf16 seed spread, each claim's verdict, and the labels that beat bf16 by more than its seed spread) and
+with two standard errors, each claim's verdict, the goal's, and the labels that beat bf16 beyond the noise) and
 the plots into the study folder.
 """
 from __future__ import annotations
@@ -44,7 +45,7 @@ from .data import prepare_data
 from ..extras import optional, require
 from .config import TrainConfig
 
-STUDY_KEYS = {"name", "base", "overrides", "seeds", "runs", "claims"}
+STUDY_KEYS = {"name", "base", "overrides", "seeds", "runs", "claims", "goal"}
 CLAIM_KEYS = {"claim", "source", "paper", "better", "worse"}
 
 
@@ -62,6 +63,7 @@ class Study:
     name: str
     runs: tuple[StudyRun, ...]
     claims: tuple[dict, ...] = ()
+    goal: float | None = None  # % of bf16's final validation loss the best FP4 label should come within
 
 
 def _merge(base: dict, extra: dict) -> dict:
@@ -107,7 +109,11 @@ def load_study(path: str | Path, out: str | Path) -> Study:
             except (ValueError, FileNotFoundError) as err:
                 raise type(err)(f"{path}: run {name}: {err}") from err
             runs.append(StudyRun(name, label, seed, config, replica))
-    return Study(str(spec.get("name") or path.stem), tuple(runs), _claims(path, spec.get("claims") or [], runs))
+    goal = spec.get("goal")
+    if goal is not None and (isinstance(goal, bool) or not isinstance(goal, (int, float)) or goal <= 0):
+        raise ValueError(f"{path}: goal must be a positive percentage of bf16's loss (e.g. 0.5), got {goal!r}")
+    return Study(str(spec.get("name") or path.stem), tuple(runs), _claims(path, spec.get("claims") or [], runs),
+                 None if goal is None else float(goal))
 
 
 def _claims(path: Path, claims: list, runs: list[StudyRun]) -> tuple[dict, ...]:
@@ -352,6 +358,26 @@ def beyond_bf16(results: list[dict]) -> list[str]:
             if label != "bf16" and _mean(runs) < _mean(base) - _two_se(std[0], len(runs), len(base))]
 
 
+def goal_verdict(results: list[dict], goal_pct: float) -> dict | None:
+    """Whether the best non-bf16 label (lowest mean final validation loss) is within goal_pct % of bf16's mean:
+    "met" when its gap plus two standard errors (seed_std) is at most goal_pct, "missed" when its gap minus two
+    standard errors is above it, else "not measurable yet" (also with no seed spread); None without bf16 or
+    another label.  (The best is picked from the same runs, a bias toward "met" that its own seeds shrink.)"""
+    groups = _by_label(results)
+    base = groups.get("bf16")
+    others = {k: v for k, v in groups.items() if k != "bf16"}
+    if not base or not others:
+        return None
+    best = min(others, key=lambda k: _mean(others[k]))
+    base_mean, std = _mean(base), seed_std(groups)
+    gap = 100 * (_mean(others[best]) - base_mean) / base_mean
+    two_se = 100 * _two_se(std[0], len(others[best]), len(base)) / base_mean if std else None
+    verdict = ("not measurable yet" if two_se is None else "met" if gap + two_se <= goal_pct
+               else "missed" if gap - two_se > goal_pct else "not measurable yet")
+    return {"goal_pct": goal_pct, "best": best, "gap_pct": round(gap, 3),
+            "two_se_pct": None if two_se is None else round(two_se, 3), "verdict": verdict}
+
+
 def summarize(study: Study, out: str | Path) -> dict:
     """results.json, table.md and (with matplotlib) val_curves.png and gaps.png in `out`."""
     out = Path(out)
@@ -359,12 +385,17 @@ def summarize(study: Study, out: str | Path) -> dict:
     results = [r for r in (_run_result(run) for run in study.runs) if r is not None]
     verdicts = claim_verdicts(results, study.claims)
     beating = beyond_bf16(results)
-    summary = {"study": study.name, "runs": results, "claims": verdicts, "beyond_bf16_noise": beating}
+    goal = goal_verdict(results, study.goal) if study.goal is not None else None
+    summary = {"study": study.name, "runs": results, "claims": verdicts, "beyond_bf16_noise": beating, "goal": goal}
     (out / "results.json").write_text(json.dumps(summary, indent=1))
     text = f"# Study {study.name}\n\n" + gap_table(results)
     if beating:
         text += ("\n**Below bf16 by more than two standard errors** (a 4-bit recipe should not be; explain or report "
                  f"unexplained): {', '.join(beating)}\n")
+    if goal:
+        se = "" if goal["two_se_pct"] is None else f" ± {goal['two_se_pct']:.2f}% (2 SE)"
+        text += (f"\n**Goal: the best FP4 label within {goal['goal_pct']:g}% of bf16** -- {goal['best']}, "
+                 f"{goal['gap_pct']:+.2f}%{se}: {goal['verdict']}.\n")
     if verdicts:
         text += "\n## Claims\n\n" + claims_table(verdicts)
     (out / "table.md").write_text(text)
