@@ -142,8 +142,8 @@ def test_the_fused_step_is_the_pytorch_step_bit_for_bit(spec, transform, dtype):
 
 def test_the_fused_step_is_used_where_it_applies():
     """backend "auto" on the CPU, "reference", a state spec the kernels do not take (8-bit), a non-contiguous
-    parameter and a tensor subclass (FSDP2's DTensor shards) keep the PyTorch path; "triton" takes the kernels (the
-    interpreter here)."""
+    parameter, a tensor subclass (FSDP2's DTensor shards) and an FP16 parameter keep the PyTorch path; "triton"
+    takes the kernels (the interpreter here)."""
     p = params()
     p.grad = grads(0)
     assert FP4AdamW([p], backend="triton", min_numel=1)._fused_ready(p)
@@ -160,6 +160,9 @@ def test_the_fused_step_is_used_where_it_applies():
     d = torch.nn.Parameter(torch.randn(64, 96).as_subclass(Shard))
     d.grad = torch.randn(64, 96).as_subclass(Shard)
     assert not FP4AdamW([d], backend="triton", min_numel=1)._fused_ready(d)
+    h = torch.randn(64, 96, dtype=torch.float16).requires_grad_()
+    h.grad = torch.randn(64, 96, dtype=torch.float16)
+    assert not FP4AdamW([h], backend="triton", min_numel=1)._fused_ready(h)  # FP32 and BF16 parameters only
     with pytest.raises(ValueError, match="backend='cuda': valid values are auto, triton, reference"):
         FP4AdamW([p], backend="cuda")
 

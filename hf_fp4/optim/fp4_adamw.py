@@ -156,7 +156,8 @@ class FP4AdamW(torch.optim.Optimizer):
 
         if self.backend == "reference" or not supports(self.spec) or not (
                 type(p.data) is torch.Tensor and type(p.grad) is torch.Tensor and p.is_contiguous()
-                and p.grad.is_contiguous() and p.grad.device == p.device):
+                and p.grad.is_contiguous() and p.grad.device == p.device
+                and p.dtype in (torch.float32, torch.bfloat16)):  # the parameter dtypes the kernel writes
             return False
         return p.is_cuda if self.backend == "auto" else _kernel_device(p)
 
