@@ -199,8 +199,7 @@ def fp4_adamw_cases():
                                                              "eps", "decay", "lr")}}
         for pass_ in (0, 1):
             consts = dict(BM=bm, BK=bk, BR=spec.block[0], BC=spec.block[1], **grid_constants(spec.grid),
-                          SCALE=SCALE_CODES[spec.scale], STEP=0.5, SQRT_V=True, P_BF16=p_type == "*bf16", PASS=pass_,
-                          INTERPRETED=False)
+                          SCALE=SCALE_CODES[spec.scale], STEP=0.5, SQRT_V=True, P_BF16=p_type == "*bf16", PASS=pass_)
             yield f"fp4-adamw-{name}-pass{pass_}", optim._fp4_adamw_kernel, types, consts, warps
 
 

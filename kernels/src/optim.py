@@ -40,26 +40,34 @@ def supports(spec: QuantSpec) -> bool:
 
 
 @triton.jit
+def _state_tile(pid_m, pid_k, MP, KP, BM: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+    """Where the tile's part of a stored moment lies: (offsets [BM, BK // 2] and mask of its packed code bytes,
+    offsets [BM // BR, BK // BC] and mask of its block-scale bytes) in the padded [MP, KP // 2] and
+    [MP // BR, KP // BC] arrays."""
+    HK: tl.constexpr = BK // 2
+    NBM: tl.constexpr = BM // BR
+    NBK: tl.constexpr = BK // BC
+    rows = pid_m * BM + tl.arange(0, BM)
+    pcols = pid_k * HK + tl.arange(0, HK)
+    srows = pid_m * NBM + tl.arange(0, NBM)
+    scols = pid_k * NBK + tl.arange(0, NBK)
+    return (rows[:, None].to(tl.int64) * (KP // 2) + pcols[None, :],
+            (rows[:, None] < MP) & (pcols[None, :] < KP // 2),
+            srows[:, None].to(tl.int64) * (KP // BC) + scols[None, :],
+            (srows[:, None] < MP // BR) & (scols[None, :] < KP // BC))
+
+
+@triton.jit
 def _moment(codes_ptr, scales_ptr, ts_ptr, values_ptr, factors_ptr, pid_m, pid_k, MP, KP,
             BM: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, FLOOR: tl.constexpr,
             STEP: tl.constexpr):
     """A [BM, BK] tile of a stored moment in FP32, as FP4AdamW._load: (grid value x block decode) x tensor decode
     (the reference's lookup tables at values_ptr [16], factors_ptr [256]); FLOOR: a zero becomes
     ((block decode x tensor decode) x STEP) / 2."""
-    HK: tl.constexpr = BK // 2
-    rows = pid_m * BM + tl.arange(0, BM)
-    pcols = pid_k * HK + tl.arange(0, HK)
-    inside = (rows[:, None] < MP) & (pcols[None, :] < KP // 2)
-    byte = tl.load(codes_ptr + rows[:, None].to(tl.int64) * (KP // 2) + pcols[None, :], mask=inside,
-                   other=0).to(tl.int32)
+    code_at, code_in, scale_at, scale_in = _state_tile(pid_m, pid_k, MP, KP, BM, BK, BR, BC)
+    byte = tl.load(codes_ptr + code_at, mask=code_in, other=0).to(tl.int32)
     nibbles = tl.reshape(tl.join(byte & 15, byte >> 4), [BM, BK])  # low nibble = even element
-    NBM: tl.constexpr = BM // BR
-    NBK: tl.constexpr = BK // BC
-    srows = pid_m * NBM + tl.arange(0, NBM)
-    scols = pid_k * NBK + tl.arange(0, NBK)
-    sinside = (srows[:, None] < MP // BR) & (scols[None, :] < KP // BC)
-    sbyte = tl.load(scales_ptr + srows[:, None].to(tl.int64) * (KP // BC) + scols[None, :], mask=sinside,
-                    other=0).to(tl.int32)
+    sbyte = tl.load(scales_ptr + scale_at, mask=scale_in, other=0).to(tl.int32)
     factor = expand_blocks(tl.load(factors_ptr + sbyte), BM, BK, BR, BC)
     ts = tl.load(ts_ptr)
     values = (tl.load(values_ptr + nibbles) * factor) * ts
@@ -75,7 +83,7 @@ def _fp4_adamw_kernel(p_ptr, g_ptr, m_codes, m_scales, m_ts, v_codes, v_scales, 
                       BM: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, GRID: tl.constexpr,
                       EMIN: tl.constexpr, MBITS: tl.constexpr, QMAX: tl.constexpr, QM: tl.constexpr,
                       QE: tl.constexpr, EMAX: tl.constexpr, SCALE: tl.constexpr, STEP: tl.constexpr,
-                      SQRT_V: tl.constexpr, P_BF16: tl.constexpr, PASS: tl.constexpr, INTERPRETED: tl.constexpr):
+                      SQRT_V: tl.constexpr, P_BF16: tl.constexpr, PASS: tl.constexpr):
     pid_m, pid_k = tl.program_id(0), tl.program_id(1)
     rows = pid_m * BM + tl.arange(0, BM)
     cols = pid_k * BK + tl.arange(0, BK)
@@ -98,11 +106,8 @@ def _fp4_adamw_kernel(p_ptr, g_ptr, m_codes, m_scales, m_ts, v_codes, v_scales, 
         pp = p_ptr + rows[:, None].to(tl.int64) * stride_p + cols[None, :]
         p = tl.load(pp, mask=inside, other=0.0).to(tl.float32)
         p = p * decay - update * lr
-        if P_BF16:
-            if INTERPRETED:  # the interpreter's cast truncates: round to nearest even by hand
-                tl.store(pp, bf16_bits(p).to(tl.bfloat16, bitcast=True), mask=inside)
-            else:
-                tl.store(pp, p.to(tl.bfloat16), mask=inside)
+        if P_BF16:  # rounded to nearest even by hand (the interpreter's cast truncates), as the GEMMs' stores
+            tl.store(pp, bf16_bits(p).to(tl.bfloat16, bitcast=True), mask=inside)
         else:
             tl.store(pp, p, mask=inside)
         tl.atomic_max(stat_ptr, tl.max(tl.max(tl.abs(flush_subnormals(m)), axis=1), axis=0))
@@ -124,19 +129,10 @@ def _store_moment(x, codes_ptr, scales_ptr, stat_ptr, ts_out, pid_m, pid_k, MP, 
     rows = pid_m * BM + tl.arange(0, BM)
     code, stored, _ = encode_tile(x, x != x, stat_ptr, 0, rows, pid_k * BK, KP, BM, BK, BR, BC, GRID, EMIN, MBITS,
                                   QMAX, QM, QE, EMAX, 4, SCALE, False)
-    HK: tl.constexpr = BK // 2
-    lo, hi = tl.split(tl.reshape(code, [BM, HK, 2]))
-    pcols = pid_k * HK + tl.arange(0, HK)
-    inside = (rows[:, None] < MP) & (pcols[None, :] < KP // 2)
-    tl.store(codes_ptr + rows[:, None].to(tl.int64) * (KP // 2) + pcols[None, :], (lo | (hi << 4)).to(tl.uint8),
-             mask=inside)
-    NBM: tl.constexpr = BM // BR
-    NBK: tl.constexpr = BK // BC
-    srows = pid_m * NBM + tl.arange(0, NBM)
-    scols = pid_k * NBK + tl.arange(0, NBK)
-    sinside = (srows[:, None] < MP // BR) & (scols[None, :] < KP // BC)
-    tl.store(scales_ptr + srows[:, None].to(tl.int64) * (KP // BC) + scols[None, :], stored.to(tl.uint8),
-             mask=sinside)
+    lo, hi = tl.split(tl.reshape(code, [BM, BK // 2, 2]))
+    code_at, code_in, scale_at, scale_in = _state_tile(pid_m, pid_k, MP, KP, BM, BK, BR, BC)
+    tl.store(codes_ptr + code_at, (lo | (hi << 4)).to(tl.uint8), mask=code_in)
+    tl.store(scales_ptr + scale_at, stored.to(tl.uint8), mask=scale_in)
     if SCALE == 2:
         if (pid_m == 0) & (pid_k == 0):
             tl.store(ts_out, tl.math.div_rn(1.0, tensor_encode_scale(tl.load(stat_ptr), QMAX)))
@@ -160,12 +156,11 @@ def triton_fp4_adamw_step(p: torch.Tensor, g: torch.Tensor, m: dict, v: dict, sp
     v_ts = torch.empty((), dtype=torch.float32, device=dev) if two_level else v["tensor_scale"]
     consts = grid_constants(spec.grid)
     grid = (triton.cdiv(MP, bm), triton.cdiv(KP, bk))
-    interpreted = dev.type == "cpu"
     for pass_ in (0, 1):
         launcher(_fp4_adamw_kernel)[grid](
             p, g, m["codes"], m["scales"], m["tensor_scale"], v["codes"], v["scales"], v["tensor_scale"], *tables,
             stat, m_ts, v_ts, M, K, MP, KP, p.stride(0), g.stride(0), **scalars, BM=bm, BK=bk, BR=br, BC=bc,
             SCALE=SCALE_CODES[spec.scale], STEP=grid_step(spec.grid), SQRT_V=sqrt_v,
-            P_BF16=p.dtype == torch.bfloat16, PASS=pass_, INTERPRETED=interpreted, num_warps=warps,
+            P_BF16=p.dtype == torch.bfloat16, PASS=pass_, num_warps=warps,
             enable_fp_fusion=False, **consts)
     return m_ts, v_ts
