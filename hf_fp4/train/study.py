@@ -280,6 +280,14 @@ def _two_se(std: float, n_a: int, n_b: int) -> float:
     return 2 * std * math.sqrt(1 / n_a + 1 / n_b)
 
 
+def _gap(runs: list[dict], base: list[dict], std: tuple[float, int] | None) -> tuple[float, float | None]:
+    """A label's gap to bf16's mean and two standard errors of it (_two_se of the pooled seed std), both in % of
+    bf16's mean; None for the latter without a seed std."""
+    base_mean = _mean(base)
+    return (100 * (_mean(runs) - base_mean) / base_mean,
+            100 * _two_se(std[0], len(runs), len(base)) / base_mean if std else None)
+
+
 def gap_table(results: list[dict]) -> str:
     """Mean final validation loss per label (± half the range over seeds), its gap to bf16's mean and two standard
     errors of that gap (the pooled seed std, seed_std), and a note on the seed noise."""
@@ -292,9 +300,9 @@ def gap_table(results: list[dict]) -> str:
              "|---|---|---|---|---|---|---|---|"]
     for label, runs in groups.items():
         mean, half = _mean(runs), _half_range(runs)
-        gap = f"{100 * (mean - base_mean) / base_mean:+.2f}%" if base_mean else "n/a"
-        se = (f"± {100 * _two_se(noise[0], len(runs), len(base)) / base_mean:.2f}%"
-              if base_mean and noise and label != "bf16" else "-")
+        pct, two_se = _gap(runs, base, noise) if base else (None, None)
+        gap = f"{pct:+.2f}%" if base else "n/a"
+        se = f"± {two_se:.2f}%" if two_se is not None and label != "bf16" else "-"
         epochs = runs[0]["epochs"]
         lines.append(f"| {label} | {runs[0]['recipe']} | {len(runs)} | {runs[0]['tokens_trained'] or '-'} | "
                      f"{epochs if epochs is not None else '-'} | {mean:.4f} ± {half:.4f} | {gap} | {se} |")
@@ -354,8 +362,12 @@ def beyond_bf16(results: list[dict]) -> list[str]:
     base, std = groups.get("bf16"), seed_std(groups)
     if not base or std is None:
         return []
-    return [label for label, runs in groups.items()
-            if label != "bf16" and _mean(runs) < _mean(base) - _two_se(std[0], len(runs), len(base))]
+    flagged = []
+    for label, runs in groups.items():
+        gap, two_se = _gap(runs, base, std)
+        if label != "bf16" and gap < -two_se:
+            flagged.append(label)
+    return flagged
 
 
 def goal_verdict(results: list[dict], goal_pct: float) -> dict | None:
@@ -369,9 +381,7 @@ def goal_verdict(results: list[dict], goal_pct: float) -> dict | None:
     if not base or not others:
         return None
     best = min(others, key=lambda k: _mean(others[k]))
-    base_mean, std = _mean(base), seed_std(groups)
-    gap = 100 * (_mean(others[best]) - base_mean) / base_mean
-    two_se = 100 * _two_se(std[0], len(others[best]), len(base)) / base_mean if std else None
+    gap, two_se = _gap(others[best], base, seed_std(groups))
     verdict = ("not measurable yet" if two_se is None else "met" if gap + two_se <= goal_pct
                else "missed" if gap - two_se > goal_pct else "not measurable yet")
     return {"goal_pct": goal_pct, "best": best, "gap_pct": round(gap, 3),
@@ -419,16 +429,13 @@ def _plot(results: list[dict], out: Path) -> None:
     fig.tight_layout()
     fig.savefig(out / "val_curves.png", dpi=120)
     plt.close(fig)
-    groups = {label: [r["final_val_loss"] for r in runs] for label, runs in _by_label(results).items()}
+    groups = _by_label(results)
     if "bf16" not in groups:
         return
-    base = statistics.mean(groups["bf16"])
-    labels = list(groups)
-    means = [100 * (statistics.mean(v) - base) / base for v in groups.values()]
-    std = seed_std(_by_label(results))
-    errs = [100 * _two_se(std[0], len(v), len(groups["bf16"])) / base if std else 0.0 for v in groups.values()]
+    std = seed_std(groups)
+    gaps = [_gap(runs, groups["bf16"], std) for runs in groups.values()]
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.bar(labels, means, yerr=errs, capsize=4)
+    ax.bar(list(groups), [gap for gap, _ in gaps], yerr=[two_se or 0.0 for _, two_se in gaps], capsize=4)
     ax.axhline(0, color="black", linewidth=0.8)
     ax.set(ylabel="final val loss gap to bf16 (%)",
            title="gap to bf16 (error bars: 2 standard errors, pooled seed std)")
