@@ -114,6 +114,25 @@ def _state_bits(opt, p):
         ("_codes", "_scales", "_tensor_scale"))}
 
 
+def assert_fused_step_is_the_pytorch_step(make_param, grad_of, **options):
+    """Three FP4AdamW steps on the kernels and on the PyTorch path, from make_param()'s parameter with grad_of(step)
+    as gradients: the parameters, codes, block scales and tensor scales equal bit for bit."""
+    runs = {}
+    for backend in ("triton", "reference"):
+        p = make_param()
+        opt = FP4AdamW([p], lr=LR, betas=(B1, B2), eps=EPS, weight_decay=WD, backend=backend, **options)
+        for step in range(3):
+            p.grad = grad_of(step)
+            opt.step()
+        runs[backend] = p.detach().clone(), _state_bits(opt, p)
+    (p_fused, st_fused), (p_ref, st_ref) = runs["triton"], runs["reference"]
+    bits = torch.int16 if p_ref.dtype == torch.bfloat16 else torch.int32
+    assert torch.equal(p_fused.view(bits), p_ref.view(bits))
+    assert st_fused.keys() == st_ref.keys() and len(st_ref) == 6
+    for key in st_ref:
+        assert torch.equal(st_fused[key], st_ref[key]), key
+
+
 @pytest.mark.parametrize("spec", ["nvfp4", "mxfp4", "ufp4", "int4"])
 @pytest.mark.parametrize("transform,dtype", [("sqrt", torch.float32), ("none", torch.float32),
                                              ("sqrt", torch.bfloat16)], ids=str)
@@ -126,21 +145,9 @@ def test_the_fused_step_is_the_pytorch_step_bit_for_bit(spec, transform, dtype):
 
     assert supports(QuantSpec.preset(spec))
     shape = (37, 83)
-    runs = {}
-    for backend in ("triton", "reference"):
-        p = params(shape=shape).detach().to(dtype).requires_grad_()
-        opt = FP4AdamW([p], lr=LR, betas=(B1, B2), eps=EPS, weight_decay=WD, state_spec=spec, v_transform=transform,
-                       min_numel=1, backend=backend)
-        for step in range(3):
-            p.grad = grads(step, shape).to(dtype)
-            opt.step()
-        runs[backend] = p.detach().clone(), _state_bits(opt, p)
-    (p_fused, st_fused), (p_ref, st_ref) = runs["triton"], runs["reference"]
-    assert torch.equal(p_fused.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
-                       p_ref.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
-    assert st_fused.keys() == st_ref.keys() and len(st_ref) == 6
-    for key in st_ref:
-        assert torch.equal(st_fused[key], st_ref[key]), key
+    assert_fused_step_is_the_pytorch_step(lambda: params(shape=shape).detach().to(dtype).requires_grad_(),
+                                          lambda step: grads(step, shape).to(dtype), state_spec=spec,
+                                          v_transform=transform, min_numel=1)
 
 
 def test_the_fused_step_is_used_where_it_applies():
@@ -174,18 +181,12 @@ def test_the_fused_step_is_used_where_it_applies():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("shape", [(4096, 4096), (1000, 1728)], ids=str)
 def test_the_fused_step_is_the_pytorch_step_at_full_size_on_gpu(shape):
-    runs = {}
-    for backend in ("triton", "reference"):
-        g = torch.Generator(device="cuda").manual_seed(0)
-        p = torch.randn(shape, device="cuda", generator=g).requires_grad_()
-        opt = FP4AdamW([p], lr=LR, betas=(B1, B2), eps=EPS, weight_decay=WD, backend=backend)
-        for step in range(3):
-            p.grad = torch.randn(shape, device="cuda", generator=g) * torch.logspace(-4, 0, shape[1], device="cuda")
-            opt.step()
-        runs[backend] = p.detach().clone(), _state_bits(opt, p)
-    assert torch.equal(runs["triton"][0].view(torch.int32), runs["reference"][0].view(torch.int32))
-    for key, want in runs["reference"][1].items():
-        assert torch.equal(runs["triton"][1][key], want), key
+    def cuda_randn(seed):
+        return torch.randn(shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed))
+
+    assert_fused_step_is_the_pytorch_step(lambda: cuda_randn(0).requires_grad_(),
+                                          lambda step: cuda_randn(1 + step) * torch.logspace(-4, 0, shape[1],
+                                                                                             device="cuda"))
 
 
 def test_bad_options_and_non_finite_gradients_are_refused():

@@ -84,11 +84,16 @@ def test_a_bad_study_fails_before_any_run(corpus_files, tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
+def rows(label, *values):
+    """Study results of one label: a run per final validation loss."""
+    return [{"label": label, "final_val_loss": v} for v in values]
+
+
 def test_gap_table_reports_the_bf16_seed_spread_and_two_standard_errors_of_each_gap():
-    rows = [{"label": "bf16", "recipe": "bf16", "final_val_loss": v, "tokens_trained": 10, "epochs": 0.5}
-            for v in (4.0, 4.2)] + [{"label": "x", "recipe": "nvfp4", "final_val_loss": 4.41, "tokens_trained": 10,
-                                     "epochs": 0.5}]
-    table = gap_table(rows)
+    results = [{"label": "bf16", "recipe": "bf16", "final_val_loss": v, "tokens_trained": 10, "epochs": 0.5}
+               for v in (4.0, 4.2)] + [{"label": "x", "recipe": "nvfp4", "final_val_loss": 4.41, "tokens_trained": 10,
+                                        "epochs": 0.5}]
+    table = gap_table(results)
     # seed std of bf16's two runs: sqrt((0.1^2 + 0.1^2) / 1); x's gap: 2 std sqrt(1/1 + 1/2), % of 4.1
     two_se = 100 * 2 * (0.02 ** 0.5) * (1.5 ** 0.5) / 4.1
     assert "| bf16 | bf16 | 2 | 10 | 0.5 | 4.1000 ± 0.1000 | +0.00% | - |" in table
@@ -98,9 +103,6 @@ def test_gap_table_reports_the_bf16_seed_spread_and_two_standard_errors_of_each_
 
 def test_the_seed_std_pools_every_label_with_seeds():
     from hf_fp4.train.study import seed_std
-
-    def rows(label, *values):
-        return [{"label": label, "final_val_loss": v} for v in values]
 
     groups = {"a": rows("a", 1.0, 1.2, 1.4), "b": rows("b", 2.0, 2.1), "c": rows("c", 9.0)}
     # squared deviations 0.04 + 0 + 0.04 and 0.0025 + 0.0025 over 2 + 1 degrees of freedom; c (one seed) adds none
@@ -113,9 +115,6 @@ def test_claims_get_verdicts_against_the_seed_noise_and_a_beaten_bf16_is_flagged
     """worse - better in % of bf16's mean, against two standard errors of the difference of the two means (the
     seed std pooled over the labels with seeds)."""
     from hf_fp4.train.study import beyond_bf16, claim_verdicts, claims_table
-
-    def rows(label, *values):
-        return [{"label": label, "final_val_loss": v} for v in values]
 
     results = rows("bf16", 4.00, 4.02) + rows("ufp4", 4.05) + rows("nvfp4", 4.20, 4.22) + rows("tib", 3.90)
     claims = ({"claim": "uniform beats E2M1", "source": "UFP4", "better": "ufp4", "worse": "nvfp4"},
@@ -141,9 +140,6 @@ def test_claims_get_verdicts_against_the_seed_noise_and_a_beaten_bf16_is_flagged
 
 def test_the_goal_is_met_missed_or_not_measurable_against_two_standard_errors():
     from hf_fp4.train.study import goal_verdict
-
-    def rows(label, *values):
-        return [{"label": label, "final_val_loss": v} for v in values]
 
     base = rows("bf16", 4.00, 4.02, 4.01)  # squared deviations 0.0002 over 2 degrees of freedom
     met = goal_verdict(base + rows("a", 4.015, 4.005, 4.01) + rows("b", 4.3), 0.5)  # a: 0.00005 over 2
