@@ -583,6 +583,20 @@ def test_a_long_contraction_onto_few_output_tiles_goes_to_torch_mm_with_the_same
         assert launched == ([(m, k)] if on_kernel else []), (m, n, k)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("m,n,k", [(640, 640, 16384), (1728, 640, 16384), (320, 640, 4096)], ids=str)
+def test_bench_50m_wgrads_go_to_torch_mm_with_the_same_roundings_on_gpu(m, n, k):
+    """bench-50m's wgrads (outputs of 9-42 tiles over 16,384 tokens) take the torch.mm route on the GPU, and its
+    split-K sums round as the fused kernel does: exact sums (|products| <= 2^8, k <= 2^14) give torch's bits."""
+    from hf_fp4.kernels.bf16_gemm import long_and_narrow
+    from hf_fp4.nn.operands import _bf16_gemm_kernels
+
+    a, b, sa, sb, expected = _exact_sum_gemm_case(m, n, k, seed=m + k)
+    assert long_and_narrow(a, b)
+    assert torch.equal(_bf16_gemm_kernels(a, b, sa, sb).view(torch.int16), expected.view(torch.int16))
+
+
 @pytest.mark.parametrize("name", ["nvfp4", "ufp4"])
 def test_fp4linear_on_the_fused_bf16_gemm_compiles_fullgraph_and_equals_eager(name):
     """The BF16-form layers' fused GEMM under torch.compile(fullgraph=True): no graph break (a break there left
