@@ -486,13 +486,48 @@ def test_compiled_blocks_keep_fp4_attention_in_their_graph():
     torch._dynamo.reset()
 
 
+def test_a_block_with_fp4_attention_compiles_without_a_graph_break_from_its_first_call():
+    """enable() (FP4TrainConfig(attention=...)) and compile_model build the attention recipe on the attention
+    modules, so a fresh model's compiled blocks trace in one graph from the first call -- a recipe built inside the
+    trace breaks the graph, which with LoRA-SVD under CUDA-graph trees failed the fullstack run's first step
+    (session 31) -- and give the eager model's loss; a recipe changed after enable() is picked up by compile_model."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    from transformers import AutoModelForCausalLM
+
+    from hf_fp4.nn.compile import compile_model
+
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(0)
+    eager = AutoModelForCausalLM.from_config(tiny_config(), quantization_config=hf_fp4.FP4TrainConfig("fullstack"))
+    compiled = AutoModelForCausalLM.from_config(tiny_config(), quantization_config=hf_fp4.FP4TrainConfig("fullstack"))
+    compiled.load_state_dict(eager.state_dict())
+    torch._dynamo.reset()
+    for block in compiled.model.layers:
+        block.compile(backend="aot_eager", fullgraph=True, dynamic=False)  # a graph break raises
+    assert torch.equal(compiled(ids, labels=ids).loss, eager(ids, labels=ids).loss)
+
+    torch._dynamo.reset()
+    counters.clear()
+    other = AutoModelForCausalLM.from_config(tiny_config(), quantization_config=hf_fp4.FP4TrainConfig(
+        "nvfp4", attention="nvfp4"))
+    other.config.hf_fp4_attention = {"q": "mxfp4", "k": "mxfp4", "v": "none", "ds": "none"}
+    compile_model(other, mode="default", backend="aot_eager")
+    other(ids, labels=ids).loss.backward()
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert other.model.layers[0].self_attn._hf_fp4_attention_recipe[1].v is None
+    torch._dynamo.reset()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-def test_fp4_attention_blocks_replay_under_cuda_graphs_with_plain_inductors_values():
+@pytest.mark.parametrize("config", [dict(recipe="nvfp4", attention="nvfp4"), dict(recipe="fullstack")], ids=str)
+def test_fp4_attention_blocks_replay_under_cuda_graphs_with_plain_inductors_values(config):
     """A model with round-to-nearest FP4 attention (the flash kernels) compiled under CUDA graphs
     (reduce-overhead) captures every block -- no skipped graph -- and over three steps of new batches gives the loss
     and gradients of the same blocks compiled without graphs, bit for bit (a replay that kept the first batch, or a
-    host read inside the capture, would not)."""
+    host read inside the capture, would not).  The fullstack preset adds LoRA-SVD factors to every linear (its
+    first study step failed under CUDA-graph trees in session 31, with a graph break at the attention call)."""
     import torch._dynamo
     from torch._dynamo.utils import counters
     from transformers import AutoModelForCausalLM
@@ -508,7 +543,7 @@ def test_fp4_attention_blocks_replay_under_cuda_graphs_with_plain_inductors_valu
         counters.clear()
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(tiny_config(), quantization_config=hf_fp4.FP4TrainConfig(
-            "nvfp4", attention="nvfp4")).cuda()
+            config["recipe"], **{k: v for k, v in config.items() if k != "recipe"})).cuda()
         compile_model(model, mode=mode)
         for layer in fp4_modules(model).values():  # opaque ops in both modes: the same graphs, graphs or not
             layer.cuda_graphs = True

@@ -51,6 +51,8 @@ CASES = [
      lambda tmp: cfg(recipe="nvfp4", recipe_options={"lora_rank": 8})),
     ("ill-typed recipe option", ValueError, "recipe option lora_svd_rank must be int, got str",
      lambda tmp: cfg(recipe="nvfp4", recipe_options={"lora_svd_rank": "8"})),
+    ("a LoRA-SVD lr scale of zero", ValueError, "lora_svd_lr_scale must be a number > 0, got 0",
+     lambda tmp: cfg(recipe="nvfp4", recipe_options={"lora_svd_rank": 8}, lora_svd_lr_scale=0)),
     ("unknown attention format", ValueError, "attention.ds: unknown format 'nvfp5'; valid: none, nvfp4",
      lambda tmp: cfg(recipe="nvfp4", recipe_options={"attention": {"ds": "nvfp5"}})),
     ("unknown quantization format value", ValueError, "unknown element grid 'e2m2'; valid grids: e2m1",

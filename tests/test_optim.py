@@ -305,3 +305,33 @@ def test_newton_schulz_matmuls_run_on_the_layers_gemm_path(name):
     assert_within_accumulation_error(fast, qa, qbt, f"{name} quantized_matmul", FP8_MMA_BITS if fp8 else FP32_BITS)
     with pytest.raises(ValueError, match="rounds to nearest"):
         quantized_matmul(a, b, dataclasses.replace(QuantSpec.preset(name), rounding="stochastic"))
+
+
+@pytest.mark.parametrize("name", ["adamw", "fp4_adamw"])
+def test_lora_svd_factors_train_at_their_own_lr_and_weight_decay(name):
+    """The trainer's groups (hf_fp4.optim.param_groups): a LoRA-SVD layer's factors step at lr * lora_svd_lr_scale
+    with weight decay lora_svd_weight_decay, its residual weight at lr with the run's decay -- each equal to a
+    torch AdamW over that one tensor with those hyper-parameters (small tensors: FP4AdamW keeps FP32 moments)."""
+    from hf_fp4 import preset
+    from hf_fp4.nn.linear import FP4Linear
+    from hf_fp4.optim import build_optimizer, param_groups
+
+    torch.manual_seed(0)
+    layer = FP4Linear.from_linear(torch.nn.Linear(32, 24, bias=False), preset("nvfp4").linear.with_options(
+        lora_svd_rank=4), name="p")
+    layer.lora_svd_split(fresh=True)
+    model = torch.nn.ModuleDict({"p": layer})
+    groups = param_groups(model, name, WD, lora_svd_lr_scale=0.25, lora_svd_weight_decay=0.5)
+    opt = build_optimizer(name, groups, LR, (B1, B2), {"min_numel": 10 ** 9} if name == "fp4_adamw" else {})
+    twins = {n: p.detach().clone().requires_grad_() for n, p in model.named_parameters()}
+    hyper = {"p.weight": (LR, WD), "p.lora_svd_A": (LR * 0.25, 0.5), "p.lora_svd_B": (LR * 0.25, 0.5)}
+    assert set(twins) == set(hyper)
+    refs = {n: torch.optim.AdamW([twins[n]], lr=lr, betas=(B1, B2), weight_decay=wd) for n, (lr, wd) in hyper.items()}
+    for step in range(3):
+        for n, p in model.named_parameters():
+            p.grad = twins[n].grad = grads(step, p.shape)
+        opt.step()
+        for ref in refs.values():
+            ref.step()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), twins[n].detach(), rtol=1e-6, atol=1e-7, msg=n)

@@ -395,11 +395,26 @@ def module_recipe(module: torch.nn.Module, config) -> tuple[AttentionRecipe, str
 
 @torch.compiler.disable
 def _cache_recipe(module: torch.nn.Module, value) -> tuple:
-    """Built outside a compiled graph: the first compiled call breaks its graph here once, and recompiles with the
-    module's cached recipe from then on."""
+    """Built outside a compiled graph: a compiled call that finds no cached recipe breaks its graph here once, and
+    recompiles with the module's cached recipe from then on (`cache_recipes` fills the caches before compiling)."""
     recipe = AttentionRecipe.build(value)
     module._hf_fp4_attention_recipe = (value, recipe, recipe_key(recipe))
     return module._hf_fp4_attention_recipe
+
+
+def cache_recipes(model: torch.nn.Module) -> int:
+    """Build the attention recipe on every module of `model` whose config asks for FP4 attention (the attention
+    modules read their own `config`), so that a compiled block's first call traces without the graph break of
+    `_cache_recipe`.  That break split the block's graph at the attention call, and with LoRA-SVD under CUDA-graph
+    trees the first step failed there (session 31: "tensor(s) in the cudagraph pool not tracked as outputs" in
+    the resumed frame).  Returns how many modules got a recipe."""
+    done = 0
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if getattr(config, "_attn_implementation", None) == IMPLEMENTATION:
+            _cache_recipe(module, getattr(config, "hf_fp4_attention", None) or "nvfp4")
+            done += 1
+    return done
 
 
 @torch.compiler.disable
@@ -431,7 +446,8 @@ def enable(model: torch.nn.Module, recipe: "AttentionRecipe | str | dict") -> No
         model.set_attn_implementation(IMPLEMENTATION)
     else:
         model.config._attn_implementation = IMPLEMENTATION
+    cache_recipes(model)
 
 
-__all__ = ["AttentionRecipe", "fp4_attention", "attention_forward", "register", "enable",
+__all__ = ["AttentionRecipe", "fp4_attention", "attention_forward", "register", "enable", "cache_recipes",
            "quantize_rows"]

@@ -80,6 +80,9 @@ def compile_model(model: nn.Module, mode: str = "auto", backend: str = "inductor
     compiled whole.  Under a CUDA-graph mode call `torch.compiler.cudagraph_mark_step_begin()` before each
     training or evaluation forward (the trainer does).
     """
+    from .attention import cache_recipes
+
+    cache_recipes(model)  # FP4 attention's recipe built now: no graph break at a block's first compiled call
     graphs = uses_cuda_graphs(mode, backend, model)
     mode = resolve_mode(mode, backend, model)
     opaque = graphs or not graph_safe(model)  # see the module docstring

@@ -51,6 +51,8 @@ class TrainConfig:
     grad_clip: float = 1.0
     optimizer: str = "auto"   # auto (the recipe's: fullstack fp4_adamw, else adamw) | adamw | fp4_adamw | muon
     optimizer_options: dict[str, Any] = field(default_factory=dict)  # see OPTIMIZERS
+    lora_svd_lr_scale: float = 1.0                # LoRA-SVD factors train at lr * this (recipe lora_svd_rank > 0)
+    lora_svd_weight_decay: float = 0.0            # and with this decoupled weight decay
     seed: int = 0
     mixed_precision: str = "auto"                 # auto (bf16 on GPU, no on CPU) | bf16 | no
     compile: Any = "auto"                         # torch.compile each decoder block: auto (on GPU) | true | false
@@ -82,6 +84,12 @@ class TrainConfig:
             if getattr(self, key) not in valid:
                 raise ValueError(f"{key}={getattr(self, key)!r}: valid values are "
                                  f"{', '.join(str(v).lower() for v in valid)}")
+        for key in ("lora_svd_lr_scale", "lora_svd_weight_decay"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or (
+                    key == "lora_svd_lr_scale" and value == 0):
+                raise ValueError(f"{key} must be a number {'> 0' if key == 'lora_svd_lr_scale' else '>= 0'}, "
+                                 f"got {value!r}")
         if not isinstance(self.log_top_grads, int) or self.log_top_grads < 0:
             raise ValueError(f"log_top_grads must be an integer >= 0, got {self.log_top_grads!r}")
         positive = ("seq_len", "batch_size", "grad_accum", "max_steps", "eval_every", "eval_batches",

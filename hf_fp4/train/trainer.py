@@ -375,7 +375,7 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> di
     val_windows = TokenWindows(data.shard("val"), cfg.seq_len, shuffle=False)
 
     optimizer_name = cfg.optimizer_name()  # muon: hidden matrices by Muon, the rest by its AdamW part
-    groups = param_groups(model, optimizer_name, cfg.weight_decay)
+    groups = param_groups(model, optimizer_name, cfg.weight_decay, cfg.lora_svd_lr_scale, cfg.lora_svd_weight_decay)
     optimizer = build_optimizer(optimizer_name, groups, cfg.lr, (cfg.beta1, cfg.beta2), cfg.optimizer_options)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg))
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
