@@ -22,6 +22,9 @@
    (causal, NVFP4 Q/K/V/dS on the tensor cores), forward and backward, against SDPA.
 7. --optim: torch.profiler over optimizer steps on bench-50m's model (bench.py's OPTIMIZERS): host and GPU
    time per op, and the host-device synchronisations per step.
+8. --model-operands [linear|bench-50m|llama-1.1b]: a recipe's x and dy operand pairs at a model's activation
+   shapes (tokens x K, tokens x N), captured, against a device copy by the bytes moved -- per statistics-pass
+   tile and program count (operand.STATS_TILE, STATS_PROGRAMS) and per operand tile.
 """
 from __future__ import annotations
 
@@ -114,6 +117,10 @@ def main():
     p.add_argument("--bf16-gemm", nargs="?", const="linear", default=None, choices=tuple(GEMM_SHAPES),
                    help="the BF16-form GEMM: torch.mm + epilogue against the fused Triton kernel per tile and the "
                         "op's route, at the GEMMs of the linear bench (default), bench-50m or the 1.1B Llama")
+    p.add_argument("--model-operands", nargs="?", const="bench-50m", default=None, choices=tuple(GEMM_SHAPES),
+                   help="the x / dy operand pairs of --presets at a model's activation shapes, per stats and "
+                        "operand tile, against copy bandwidth")
+    p.add_argument("--presets", default="nvfp4,ufp4,mxfp4", help="--model-operands' recipes")
     p.add_argument("--triton-gemm", action="store_true", help="a Triton 1x128 FP8 GEMM: exactness and time")
     p.add_argument("--fp8-accuracy", action="store_true",
                    help="FP8 GEMM error against the FP32 accumulation bound, by contraction length")
@@ -140,6 +147,7 @@ def main():
              (args.optim, lambda: profile_optim(dev, args.optim.split(","))),
              (args.gemm, lambda: gemm_granularity(dev)),
              (args.bf16_gemm, lambda: bf16_gemm_tiles(dev, args.bf16_gemm)),
+             (args.model_operands, lambda: model_operands(dev, args.model_operands, args.presets.split(","))),
              (args.triton_gemm, lambda: triton_blockwise_probe(dev)),
              (args.fp8_accuracy, lambda: fp8_accuracy(dev)),
              (args.mutations, lambda: mutations(dev))]
@@ -797,6 +805,53 @@ def mutations(dev: str) -> None:
         else:
             written = sorted(wrap.identify_mutated_tensors(kernel, kwargs, {}))
         print(name, "writes:", written, flush=True)
+
+
+#: --model-operands' statistics-pass variants: (BR, BC, warps) tile, programs the row walk keeps (STATS_PROGRAMS)
+STATS_VARIANTS = [(None, None), ((64, 128, 8), 1024), ((64, 128, 8), 2048), ((32, 128, 4), 1024),
+                  ((64, 64, 4), 2048), ((128, 128, 8), 512)]
+
+
+def model_operands(dev: str, model: str, presets: list[str]) -> None:
+    """For each preset and each distinct activation shape of `model` (x: tokens x K, dy: tokens x N), the operand
+    pair FP4Linear makes of that tensor (both orientations; stats pass + operand pass), captured, as % of a device
+    copy's bandwidth by the bytes moved (t read twice -- statistics and operands -- plus the operands written), per
+    statistics-pass variant (STATS_VARIANTS; None = the defaults) and, at the default statistics, per operand tile.
+    bench-50m's NVFP4 step spent 7.5 ms in operand kernels and 2.7 ms in the statistics pass (session 31)."""
+    from hf_fp4.kernels import operand as operand_module
+    from hf_fp4.nn.operands import LinearPlan
+
+    tokens, shapes = GEMM_SHAPES[model]
+    widths = sorted({k for k, _ in shapes} | {n for _, n in shapes})
+    seeds = torch.tensor([1, 2], device=dev)
+    default = (operand_module.STATS_TILE, operand_module.STATS_PROGRAMS)
+    print(f"## {model}: operand pairs of [{tokens}, C] tensors; % of copy bandwidth (bytes: t read twice + written)")
+    for name in presets:
+        lp = LinearPlan.build(preset(name).linear, "triton")
+        for tensor in ("x", "dy"):
+            plans = getattr(lp, tensor)
+            if all(p is None for p in plans):
+                continue
+            signs = tuple(hf_fp4.seeded_signs(p.hadamard, 0).to(dev) if p is not None and p.signed else None
+                          for p in plans)
+            print(f"| {name} {tensor} [tokens, C] | copy ms | " + " | ".join(
+                "default" if t is None else f"stats {t[0]}x{t[1]}w{t[2]} / {n}" for t, n in STATS_VARIANTS) + " |")
+            for c in widths:
+                t = torch.randn(tokens, c, device=dev, dtype=torch.bfloat16)
+                copy = graph_ms(lambda: t.clone())
+                row = [f"{tokens}x{c}", f"{copy:.4f}"]
+                for tile, programs in STATS_VARIANTS:
+                    operand_module.STATS_TILE, operand_module.STATS_PROGRAMS = (tile or default[0],
+                                                                                programs or default[1])
+                    operand_module._launch_config.cache_clear()
+                    ops = operand_module.triton_operands(t, plans, seeds, signs)
+                    written = sum(o.data.numel() * o.data.element_size() for o in ops if o is not None)
+                    ms = graph_ms(lambda: operand_module.triton_operands(t, plans, seeds, signs))
+                    moved = 2 * t.numel() * t.element_size() + written
+                    row.append(f"{ms:.4f} ({100 * moved / (2 * t.numel() * t.element_size()) * copy / ms:.0f}%)")
+                print("| " + " | ".join(row) + " |", flush=True)
+    operand_module.STATS_TILE, operand_module.STATS_PROGRAMS = default
+    operand_module._launch_config.cache_clear()
 
 
 def sweep(x, seeds, sign, cases, tiles=None):
