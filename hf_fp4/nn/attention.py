@@ -111,12 +111,6 @@ def quantize_rows(x: torch.Tensor, spec: QuantSpec | None, seed: int) -> torch.T
     return out.reshape(x.shape)[..., :rows, :]
 
 
-@functools.lru_cache(maxsize=None)
-def _no_seeds(device: torch.device) -> torch.Tensor:
-    """The (unused) Philox seeds of a round-to-nearest operand, one device tensor per device."""
-    return torch.zeros(2, dtype=torch.int64, device=device)
-
-
 def _tensor_core(dtype: torch.dtype, spec: QuantSpec | None) -> bool:
     """Whether tensor_core_operand gives exact BF16 values for a tensor of `dtype` quantized with `spec`."""
     return spec.scale is not ScaleRule.FP32 if spec is not None else dtype == torch.bfloat16
@@ -142,8 +136,10 @@ def tensor_core_operand(x: torch.Tensor, spec: QuantSpec | None, seed: int, back
         y = torch.nn.functional.pad(x, (0, 0, 0, pad)) if pad else x
         y2 = y.reshape(-1, y.shape[-1])
         plan = OperandPlan.single(spec, "bf16")
+        # round to nearest: unused seeds made on the device, no host copy.  Made per call, never cached: a tensor
+        # kept from the first call lives in the CUDA-graph pool when that call is a graph-tree warm-up (session 31)
         seeds = (torch.tensor([seed, 0], dtype=torch.int64).to(x.device, non_blocking=True)
-                 if spec.rounding.value == "stochastic" else _no_seeds(x.device))  # nearest: no copy to the device
+                 if spec.rounding.value == "stochastic" else torch.zeros(2, dtype=torch.int64, device=x.device))
         op = triton_operands(y2, (plan, None), seeds)[0]
         values, decode = op.data[:y2.shape[0], :y2.shape[1]], op.scale.reshape(())
     else:
@@ -405,9 +401,8 @@ def _cache_recipe(module: torch.nn.Module, value) -> tuple:
 def cache_recipes(model: torch.nn.Module) -> int:
     """Build the attention recipe on every module of `model` whose config asks for FP4 attention (the attention
     modules read their own `config`), so that a compiled block's first call traces without the graph break of
-    `_cache_recipe`.  That break split the block's graph at the attention call, and with LoRA-SVD under CUDA-graph
-    trees the first step failed there (session 31: "tensor(s) in the cudagraph pool not tracked as outputs" in
-    the resumed frame).  Returns how many modules got a recipe."""
+    `_cache_recipe`, which split each block's first graph at the attention call (two graphs and a resumed frame,
+    then a recompilation).  Returns how many modules got a recipe."""
     done = 0
     for module in model.modules():
         config = getattr(module, "config", None)
