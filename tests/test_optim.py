@@ -335,3 +335,33 @@ def test_lora_svd_factors_train_at_their_own_lr_and_weight_decay(name):
             ref.step()
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.detach(), twins[n].detach(), rtol=1e-6, atol=1e-7, msg=n)
+
+
+def test_small_parameters_step_together_with_the_bits_of_one_by_one(monkeypatch):
+    """FP4AdamW's FP32-moment parameters (norms, biases) take one update over their concatenation per group and
+    step count (_flat_step): parameters, moments and step counts equal the parameter-by-parameter path bit for bit
+    -- FP32 and BF16 parameters of several shapes, two groups with their own lr / weight decay, and a parameter
+    whose gradients start a step later (its own step count)."""
+    from hf_fp4.optim import fp4_adamw
+
+    def model():
+        g = torch.Generator().manual_seed(4)
+        shapes, dtypes = [(64,), (3, 5), (96,), (7,), (1, 9)], [torch.float32, torch.bfloat16] * 3
+        return [torch.randn(s, generator=g).to(d).requires_grad_() for s, d in zip(shapes, dtypes)]
+
+    runs = []
+    for flat in (True, False):
+        if not flat:
+            monkeypatch.setattr(fp4_adamw, "_flat_ready", lambda p, device: False)
+        ps = model()
+        opt = FP4AdamW([{"params": ps[:3]}, {"params": ps[3:], "lr": 3e-3, "weight_decay": 0.5}], lr=LR,
+                       betas=(B1, B2), weight_decay=WD)
+        for step in range(4):
+            for i, p in enumerate(ps):
+                p.grad = None if (i == 4 and step == 0) else grads(step, p.shape).to(p.dtype)
+            opt.step()
+        runs.append((ps, [opt.state[p] for p in ps]))
+    for p, q, sp, sq in zip(runs[0][0], runs[1][0], runs[0][1], runs[1][1]):
+        assert p.dtype == q.dtype and torch.equal(p, q)
+        assert all(torch.equal(sp[k], sq[k]) for k in ("m", "v", "step")), sp["step"]
+    assert float(runs[0][1][4]["step"]) == 3 and float(runs[0][1][0]["step"]) == 4

@@ -19,7 +19,8 @@ The update (`_update`) rounds once per operation -- products and sums apart, the
 FP32 reciprocals -- so that it means the same on every device (PyTorch's fused forms, add(alpha=) or a division
 by a scalar, round differently on CPU and CUDA).  backend "triton" (the default on CUDA) runs a quantized
 parameter's whole step in two kernel launches (hf_fp4.kernels.optim, bit-exact with this module's PyTorch
-path, "reference"); the PyTorch path launches ~35 kernels per parameter.
+path, "reference"); the PyTorch path launches ~35 kernels per parameter.  The FP32-moment parameters of a group
+take one update over their concatenation (`_flat_step`: the same operations elementwise, the same bits).
 """
 from __future__ import annotations
 
@@ -123,6 +124,7 @@ class FP4AdamW(torch.optim.Optimizer):
                                < GRAD_LIMIT).all()):
             raise FloatingPointError(f"FP4AdamW: non-finite gradient, or one of magnitude >= 2^63 (its square "
                                      f"overflows FP32); the state would be lost on re-quantization: skip the step")
+        small = {}  # FP32-moment parameters, batched by (group, step): one update over their concatenation
         for group, p in walk:
             state = self.state[p]
             if not state:
@@ -138,6 +140,9 @@ class FP4AdamW(torch.optim.Optimizer):
             if self.quantized(p) and self._fused_ready(p):
                 self._fused_step(p, state, scalars)
                 continue
+            if not self.quantized(p) and _flat_ready(p, walk[0][1].device):
+                small.setdefault((id(group), float(state["step"])), (scalars, []))[1].append(p)
+                continue
             m, v = self.moments(p)
             m, v, master = _update(m, v, p.grad.float(), p.float(), scalars)
             p.copy_(master)
@@ -146,7 +151,21 @@ class FP4AdamW(torch.optim.Optimizer):
                 self._store(state, "v", _sqrt_rn(v) if self.v_transform == "sqrt" else v)
             else:
                 state["m"], state["v"] = m, v
+        for scalars, params in small.values():
+            self._flat_step(params, scalars)
         return loss
+
+    def _flat_step(self, params: list[torch.Tensor], scalars: dict) -> None:
+        """The FP32-moment parameters of one group and step count in one `_update` over their concatenation (the
+        same elementwise operations, so the same bits as parameter by parameter, in ~27 launches instead of ~20
+        per parameter: bench-50m's 21 norm weights took ~420)."""
+        states = [self.state[p] for p in params]
+        flat = [torch.cat([t.reshape(-1).float() for t in ts]) for ts in (
+            [st["m"] for st in states], [st["v"] for st in states], [p.grad for p in params], params)]
+        m, v, master = _update(*flat, scalars)
+        sizes = [p.numel() for p in params]
+        for targets, new in (([st["m"] for st in states], m), ([st["v"] for st in states], v), (params, master)):
+            torch._foreach_copy_(targets, [c.view(t.shape) for c, t in zip(new.split(sizes), targets)])
 
     def _fused_ready(self, p: torch.Tensor) -> bool:
         """Whether p's step runs on the kernels (backend, device, state spec; plain contiguous tensors -- a
@@ -179,6 +198,12 @@ def _nibble_tables(spec: QuantSpec, device: torch.device) -> tuple[torch.Tensor,
     byte's block decode factor [256] (hf_fp4.nn.backends._decode_tables)."""
     values, factors = _decode_tables(spec, device)
     return values[:16, 0].contiguous(), factors
+
+
+def _flat_ready(p: torch.Tensor, device: torch.device) -> bool:
+    """Whether p joins _flat_step: a plain tensor (a DTensor shard keeps its own ops) on the step's device, with its
+    gradient there."""
+    return type(p.data) is torch.Tensor and type(p.grad) is torch.Tensor and p.device == device == p.grad.device
 
 
 def _scalars(group: dict, t: float) -> dict:
