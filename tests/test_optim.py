@@ -200,6 +200,32 @@ def test_bad_options_and_non_finite_gradients_are_refused():
     assert not opt.state[p]  # refused before any state changed
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU")])]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")], ids=str)
+def test_one_non_finite_element_among_many_gradients_refuses_the_step(device, bad):
+    """One NaN / Inf element in one of several gradients (FP32 and BF16, quantized and FP32-moment parameters) is
+    found by step()'s single check, on the CPU and on CUDA (foreach max-norm kernels), before any parameter or
+    state changes; the same gradients without it step."""
+    ps = [params(seed=i).to(device).to(dt).detach().requires_grad_()
+          for i, dt in enumerate((torch.float32, torch.bfloat16, torch.float32))]
+    ps.append(torch.randn(40, device=device).requires_grad_())  # FP32 moments
+    opt = FP4AdamW(ps, min_numel=1024)
+    before = [p.detach().clone() for p in ps]
+    for i, p in enumerate(ps):
+        p.grad = grads(i, p.shape).to(device=device, dtype=p.dtype)
+    ps[1].grad.view(-1)[777] = bad
+    with pytest.raises(FloatingPointError, match="non-finite gradient"):
+        opt.step()
+    assert all(torch.equal(p.detach(), b) for p, b in zip(ps, before)) and not any(opt.state[p] for p in ps)
+    ps[1].grad.view(-1)[777] = 0.5
+    opt.step()
+    assert all(not torch.equal(p.detach(), b) for p, b in zip(ps, before))
+
+
 @pytest.mark.parametrize("magnitude,refused", [(2.0**64, True), (2.0**62, False)])
 def test_a_gradient_whose_square_overflows_is_refused_and_one_below_keeps_the_state_finite(magnitude, refused):
     """The stores skip the quantizer's own non-finite check (a host read each), so step() bounds |g| first: at

@@ -120,8 +120,9 @@ class FP4AdamW(torch.optim.Optimizer):
         # GRAD_LIMIT, so that every moment stays finite (|m| <= max|g| so far, v < 2^127) and the stores need no
         # check of their own (the quantizer's non-finite check read a flag back per store: 2 syncs a parameter).
         grads = [p.grad for _, p in walk if p.grad.numel()]
-        if grads and not bool((torch.stack([g.abs().amax().float().to(grads[0].device) for g in grads])
-                               < GRAD_LIMIT).all()):
+        # max |g| of every gradient in one foreach launch per dtype (a NaN gives NaN: below no limit)
+        if grads and not bool((torch.stack([n.float().to(grads[0].device) for n in
+                                            torch._foreach_norm(grads, float("inf"))]) < GRAD_LIMIT).all()):
             raise FloatingPointError(f"FP4AdamW: non-finite gradient, or one of magnitude >= 2^63 (its square "
                                      f"overflows FP32); the state would be lost on re-quantization: skip the step")
         small = {}  # FP32-moment parameters, batched by (group, step): one update over their concatenation
