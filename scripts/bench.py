@@ -848,7 +848,7 @@ OPTIMIZERS = (("adamw", {}), ("fp4_adamw", {}), ("fp4_adamw", {"backend": "refer
 def bench_optim(dev, quick, results):
     """Issue 12's optimizer costs on bench-50m's model (tiny with --quick): bytes of optimizer state, peak device
     memory of a train step (GPU only) and the step time, for AdamW (FP32 state), FP4AdamW, Muon in BF16 and with
-    NVFP4 Newton-Schulz -- one model per optimizer, the same bf16 forward/backward."""
+    NVFP4 Newton-Schulz -- one model per optimizer, the same bf16 forward/backward -- and the optimizer's step alone."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from hf_fp4.optim import build_optimizer, param_groups, state_bytes
@@ -879,19 +879,24 @@ def bench_optim(dev, quick, results):
             torch.cuda.reset_peak_memory_stats()
         ms = timed(step, ids, warmup=1, reps=3 if quick else 10)
         peak = torch.cuda.max_memory_allocated() / 2**20 if dev == "cuda" else None
+        with torch.autocast(dev, dtype=torch.bfloat16, enabled=dev == "cuda"):  # gradients for the step alone
+            model(input_ids=ids[0][0], labels=ids[0][0], use_cache=False).loss.backward()
+        opt_ms = timed(opt.step, [()], warmup=1, reps=3 if quick else 10)
         n_params = sum(p.numel() for p in model.parameters())
         label = name + ("+nvfp4_ns" if options.get("ns_spec") else "") + (
             ":reference" if options.get("backend") == "reference" else "")  # FP4AdamW's PyTorch path
         results.setdefault("optim", []).append({"model": "bench-50m" if not quick else "tiny", "impl": label,
                                                 "state_bytes_per_param": round(state_bytes(opt) / n_params, 4),
                                                 "peak_mib": None if peak is None else round(peak, 1),
-                                                "step_ms": round(ms, 3)})
+                                                "step_ms": round(ms, 3), "optimizer_step_ms": round(opt_ms, 3)})
         rows.append([label, f"{state_bytes(opt) / n_params:.3f}", "-" if peak is None else f"{peak:,.0f}",
-                     f"{ms:.2f}"])
+                     f"{ms:.2f}", f"{opt_ms:.2f}"])
         del model, opt
         torch.cuda.empty_cache() if dev == "cuda" else None
-    return md_table(f"Optimizers on bench-50m's model ({batch} x {seq} tokens a step, bf16 autocast on GPU)",
-                    ["optimizer", "state bytes / parameter", "peak MiB", "step ms"], rows)
+    return md_table(f"Optimizers on bench-50m's model ({batch} x {seq} tokens a step, bf16 autocast on GPU; "
+                    "train step = forward, backward and optimizer step; optimizer step alone on one step's "
+                    "gradients)", ["optimizer", "state bytes / parameter", "peak MiB", "train step ms",
+                                   "optimizer step ms"], rows)
 
 
 def main():
