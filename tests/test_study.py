@@ -213,3 +213,23 @@ def test_prepare_only_tokenises_the_data_and_starts_no_run(corpus_files, tmp_pat
     codes = run_study(study, out, launcher=["true"], poll_s=0.05)  # the runs now start on the prepared shards
     assert codes == {"bf16-s0": 0, "nvfp4-s0": 0}
     assert {p: p.stat().st_mtime_ns for p in shards.rglob("*") if p.is_file()} == before  # not tokenised again
+
+
+def test_the_same_seed_gap_pairs_each_run_with_bf16s_run_of_its_seed():
+    """paired_gap: (loss - bf16's loss of the same seed) / bf16's, averaged over the common seeds, two standard
+    errors from the spread of those differences; a seed bf16 did not run is left out; the table shows it."""
+    from hf_fp4.train.study import paired_gap
+
+    def runs(label, pairs):
+        return [{"label": label, "recipe": "nvfp4", "seed": s, "final_val_loss": v, "tokens_trained": 10,
+                 "epochs": 0.5} for s, v in pairs]
+
+    bf16 = runs("bf16", [(0, 4.0), (1, 4.2), (2, 4.0)])
+    x = runs("x", [(0, 4.04), (1, 4.284), (7, 1.0)])  # +1%, +2%; seed 7 has no bf16 run
+    mean, two_se, n = paired_gap(x, bf16)
+    assert n == 2 and mean == pytest.approx(1.5) and two_se == pytest.approx(2 * (0.5 ** 0.5) / 2 ** 0.5)
+    assert paired_gap(runs("y", [(1, 4.158)]), bf16) == (pytest.approx(-1.0), None, 1)
+    assert paired_gap(runs("z", [(9, 4.0)]), bf16) is None
+    table = gap_table(bf16 + x + runs("y", [(1, 4.158)]) + runs("z", [(9, 4.0)]))
+    assert "| +1.50% ± 1.00% (2 seeds) |" in table and "| -1.00% (1 seed) |" in table
+    assert table.count("| - |\n") == 2  # bf16's own row and z's (no common seed) end in "-"
