@@ -233,3 +233,23 @@ def test_the_same_seed_gap_pairs_each_run_with_bf16s_run_of_its_seed():
     table = gap_table(bf16 + x + runs("y", [(1, 4.158)]) + runs("z", [(9, 4.0)]))
     assert "| +1.50% ± 1.00% (2 seeds) |" in table and "| -1.00% (1 seed) |" in table
     assert table.count("| - |\n") == 2  # bf16's own row and z's (no common seed) end in "-"
+
+
+def test_the_goal_uses_the_same_seed_gap_once_two_seeds_are_shared():
+    """bf16's seeds spread by 2% (so the means' 2 SE is wide), but the best label sits 0.2-0.3% above bf16 seed by
+    seed: the same-seed gap decides "met"; with one shared seed the means decide ("not measurable yet")."""
+    from hf_fp4.train.study import goal_verdict
+
+    def runs(label, pairs):
+        return [{"label": label, "seed": s, "final_val_loss": v} for s, v in pairs]
+
+    base = runs("bf16", [(0, 4.0), (1, 4.08), (2, 4.0)])
+    a = runs("a", [(0, 4.010), (1, 4.0962), (2, 4.0112)])  # +0.25%, +0.4%, +0.28%
+    met = goal_verdict(base + a, 0.5)
+    diffs = [0.25, 100 * (4.0962 - 4.08) / 4.08, 0.28]
+    mean = sum(diffs) / 3
+    two_se = 2 * (sum((d - mean) ** 2 for d in diffs) / 2) ** 0.5 / 3 ** 0.5
+    assert met["basis"] == "same seed (3 seeds)" and met["verdict"] == "met"
+    assert met["gap_pct"] == pytest.approx(mean, abs=1e-3) and met["two_se_pct"] == pytest.approx(two_se, abs=1e-3)
+    one = goal_verdict(base + a[:1], 0.5)
+    assert one["basis"] == "means" and one["verdict"] == "not measurable yet"

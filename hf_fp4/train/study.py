@@ -402,7 +402,9 @@ def goal_verdict(results: list[dict], goal_pct: float) -> dict | None:
     """Whether the best non-bf16 label (lowest mean final validation loss) is within goal_pct % of bf16's mean:
     "met" when its gap plus two standard errors (seed_std) is at most goal_pct, "missed" when its gap minus two
     standard errors is above it, else "not measurable yet" (also with no seed spread); None without bf16 or
-    another label.  (The best is picked from the same runs, a bias toward "met" that its own seeds shrink.)"""
+    another label.  Where the best label and bf16 share two seeds or more, the gap and its two standard errors are
+    the same-seed ones (paired_gap; "basis" says which).  (The best is picked from the same runs, a bias toward
+    "met" that its own seeds shrink.)"""
     groups = _by_label(results)
     base = groups.get("bf16")
     others = {k: v for k, v in groups.items() if k != "bf16"}
@@ -410,10 +412,14 @@ def goal_verdict(results: list[dict], goal_pct: float) -> dict | None:
         return None
     best = min(others, key=lambda k: _mean(others[k]))
     gap, two_se = _gap(others[best], base, seed_std(groups))
+    basis = "means"
+    paired = paired_gap(others[best], base)
+    if paired is not None and paired[1] is not None:  # two common seeds or more: the same-seed differences
+        gap, two_se, basis = paired[0], paired[1], f"same seed ({paired[2]} seeds)"
     verdict = ("not measurable yet" if two_se is None else "met" if gap + two_se <= goal_pct
                else "missed" if gap - two_se > goal_pct else "not measurable yet")
     return {"goal_pct": goal_pct, "best": best, "gap_pct": round(gap, 3),
-            "two_se_pct": None if two_se is None else round(two_se, 3), "verdict": verdict}
+            "two_se_pct": None if two_se is None else round(two_se, 3), "basis": basis, "verdict": verdict}
 
 
 def summarize(study: Study, out: str | Path) -> dict:
@@ -433,7 +439,7 @@ def summarize(study: Study, out: str | Path) -> dict:
     if goal:
         se = "" if goal["two_se_pct"] is None else f" ± {goal['two_se_pct']:.2f}% (2 SE)"
         text += (f"\n**Goal: the best FP4 label within {goal['goal_pct']:g}% of bf16** -- {goal['best']}, "
-                 f"{goal['gap_pct']:+.2f}%{se}: {goal['verdict']}.\n")
+                 f"{goal['gap_pct']:+.2f}%{se}, from the {goal['basis']}: {goal['verdict']}.\n")
     if verdicts:
         text += "\n## Claims\n\n" + claims_table(verdicts)
     (out / "table.md").write_text(text)
