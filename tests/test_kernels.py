@@ -488,7 +488,8 @@ def test_fused_bf16_gemm_rounds_the_scaled_accumulator_once(m, n, k, tile):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("m,n,k", [(4100, 3080, 2056), (8192, 4096, 4096), (37, 384, 512)], ids=str)
+@pytest.mark.parametrize("m,n,k", [(4100, 3080, 2056), (8192, 4096, 4096), (37, 384, 512), (16384, 640, 1728),
+                                   (16384, 320, 640)], ids=str)
 def test_fused_bf16_gemm_rounds_once_at_full_size_on_gpu(m, n, k):
     """The GPU's kernel (warp-specialised, TMA, the default tile) at sizes with partial tiles and at the bench's: exact
     sums (|products| <= 2^8, k <= 2^12 of them: below FP32's 2^24) make it equal to torch's rounding bit for bit."""
@@ -563,6 +564,15 @@ def test_the_bf16_gemm_op_takes_a_misaligned_view_through_torch_mm_with_the_same
         assert torch.equal(_bf16_gemm_kernels(operand, b, sa, sb).view(torch.int16), expected.view(torch.int16))
 
 
+def test_an_output_that_the_default_tile_pads_by_over_a_tenth_takes_the_narrow_tile():
+    """bf16_gemm.default_tile: BN 256 pads 640 columns to 768 and 320 to 512 (bench-50m's), 1728 to 1792 (3.7%,
+    kept), 4096 / 512 / 2048 not at all; the narrow tile was faster on all six padded bench-50m GEMMs (session 31)."""
+    from hf_fp4.kernels.bf16_gemm import NARROW_TILE, TILE, default_tile
+
+    assert [default_tile(n) for n in (640, 320, 384)] == [NARROW_TILE] * 3
+    assert [default_tile(n) for n in (1728, 4096, 512, 2048, 5632, 14336)] == [TILE] * 6
+
+
 def test_a_long_contraction_onto_few_output_tiles_goes_to_torch_mm_with_the_same_roundings(monkeypatch):
     """A small weight's wgrad -- an output of fewer tiles than half the GPU's SMs, summed over K >= LONG_K -- runs on
     torch.mm's FP32 output and the epilogue pass (cuBLAS splits K; one persistent program per tile walks all of K),
@@ -574,6 +584,7 @@ def test_a_long_contraction_onto_few_output_tiles_goes_to_torch_mm_with_the_same
     kernel = fused.bf16_gemm
     monkeypatch.setattr(fused, "bf16_gemm", lambda *args: launched.append(args[0].shape) or kernel(*args))
     monkeypatch.setattr(fused, "TILE", (16, 16, 16, 4, 1, 2, False))  # the interpreter's 4 programs: 2 tiles are half
+    monkeypatch.setattr(fused, "NARROW_TILE", fused.TILE)
     monkeypatch.setattr(fused, "LONG_K", 64)
     for (m, n, k), on_kernel in (((16, 16, 64), False), ((16, 16, 48), True), ((24, 16, 64), True),
                                  ((40, 24, 64), True)):

@@ -34,6 +34,21 @@ ENABLED = True
 #: attribute to change it.
 TILE = (128, 256, 64, 8, 3, 8, True)
 
+#: The tile of an output whose N the default tile's BN would pad by more than NARROW_PAD of N (bench-50m's 640 and
+#: 320 columns: 768 and 512 with BN 256).  `profile_fast_path.py --bf16-gemm bench-50m` (H100, session 31,
+#: captured): all six fprop / dgrad GEMMs with N 320 or 640 ran faster on 128 x 128 (0.033 vs 0.035 ms at
+#: 16384 x 640 x 640, 0.022 vs 0.029 at 16384 x 320 x 640, 0.062-0.063 vs 0.069-0.070 at K or N 1728), the two with
+#: N 1728 (3.7% padding) as fast or slower (0.074-0.076 vs 0.073); bit-identical outputs (the K loop is the same).
+NARROW_TILE = (128, 128, 64, 8, 4, 8, True)
+NARROW_PAD = 0.1
+
+
+def default_tile(n: int) -> tuple[int, ...]:
+    """TILE, or NARROW_TILE where TILE's BN pads an output of n columns by more than NARROW_PAD of n."""
+    bn = TILE[1]
+    return NARROW_TILE if triton.cdiv(n, bn) * bn - n > NARROW_PAD * n else TILE
+
+
 #: The contraction length from which an output of fewer TILE tiles than half the GPU's SMs goes to torch.mm's FP32
 #: output and the epilogue pass instead (`long_and_narrow`).  The persistent kernel gives each output tile to one
 #: program, which walks the whole contraction: with fewer tiles than SMs the GPU runs at tiles / SMs of its rate for
@@ -104,14 +119,14 @@ def aligned(*tensors: torch.Tensor) -> bool:
 def bf16_gemm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
               tile: tuple[int, ...] | None = None, programs: int | None = None) -> torch.Tensor:
     """BF16((a @ b^T) * (a_scale * b_scale)) for a [M, K], b [N, K] (see the module docstring); fits(a, b) and
-    aligned(a, b) must hold.  tile: (BM, BN, BK, warps, stages, group, warp specialisation), TILE by default;
-    programs: one per SM by default."""
+    aligned(a, b) must hold.  tile: (BM, BN, BK, warps, stages, group, warp specialisation), default_tile(N) by
+    default; programs: one per SM by default."""
     if a.shape[1] != b.shape[1]:
         raise ValueError(f"operand widths differ: {a.shape[1]} vs {b.shape[1]}")
     if not fits(a, b) or not aligned(a, b):
         raise ValueError("bf16_gemm takes BF16 operands with unit column stride and 16-byte aligned rows, N % 8 == 0")
     (m, k), n = a.shape, b.shape[0]
-    bm, bn, bk, warps, stages, group, specialize = tile or TILE
+    bm, bn, bk, warps, stages, group, specialize = tile or default_tile(b.shape[0])
     out = torch.empty((m, n), dtype=torch.bfloat16, device=a.device)
     if m == 0 or n == 0:
         return out
