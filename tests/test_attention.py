@@ -493,29 +493,19 @@ def test_fp4_attention_keeps_no_tensor_alive_between_calls():
     the fullstack study's first step in session 31 (the round-to-nearest seeds tensor, cached per device).  Here:
     the flash path's first forward + backward (Triton's interpreter on the CPU) leaves no tensor alive once its
     outputs and gradients are dropped."""
-    import gc
+    from tiny import clear_package_caches, live_tensors
 
-    def live():
-        gc.collect()
-        return {id(o) for o in gc.get_objects() if torch.is_tensor(o)}
-
-    import sys
-
-    for name, module in list(sys.modules.items()):  # as in a fresh process: every cache of the package empty
-        if name.startswith("hf_fp4"):
-            for obj in list(vars(module).values()):
-                if callable(getattr(obj, "cache_clear", None)):
-                    obj.cache_clear()
+    clear_package_caches()
     g = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(1, 2, 32, 64, generator=g, dtype=torch.bfloat16).requires_grad_() for _ in range(3))
     d_out = torch.randn(1, 2, 32, 64, generator=g, dtype=torch.bfloat16)
-    before = live()
+    before = live_tensors()
     out = fp4_attention(q, k, v, recipe="nvfp4", backend="triton", causal=True)
     out.backward(d_out)
     del out
     for t in (q, k, v):
         t.grad = None
-    assert not live() - before
+    assert not live_tensors().keys() - before.keys()
 
 
 def test_a_block_with_fp4_attention_compiles_without_a_graph_break_from_its_first_call():

@@ -407,6 +407,30 @@ def test_compiled_layers_sharing_an_input_quantize_it_once_unless_it_is_rounded_
     assert len(calls) == (3 if x_sr else 1) + 3 + 3, calls
 
 
+@pytest.mark.parametrize("name", ["nvfp4", "mxfp4_dh", "ufp4", "tib"])
+def test_the_fast_path_keeps_no_tensor_alive_between_calls(name):
+    """As FP4 attention (test_attention): under CUDA-graph trees the first training call is a warm-up in the graphs'
+    memory pool, so a tensor the fast path made then and kept (a per-device cache) would break the capture ("not
+    tracked as outputs").  The first forward + backward of a BF16 layer on the kernels (Triton's interpreter here),
+    package caches cleared, leaves no tensor alive beyond the layer's own state once its output and gradients go."""
+    from tiny import clear_package_caches, live_tensors
+
+    clear_package_caches()
+    _, layer = make_layer(name, seed=2)
+    layer = layer.to(torch.bfloat16)
+    layer.backend = "triton"
+    x, dy = (t.to(torch.bfloat16) for t in inputs(seed=3))
+    x.requires_grad_()
+    before = live_tensors()
+    layer(x).backward(dy)
+    x.grad = layer.weight.grad = None
+    owned = {id(t) for t in layer.state_dict(keep_vars=True).values()} | {
+        id(v) for value in vars(layer).values()
+        for v in (value.values() if isinstance(value, dict) else [value]) if torch.is_tensor(v)}
+    left = [(tuple(t.shape), t.dtype) for i, t in live_tensors().items() if i not in before and i not in owned]
+    assert not left, left
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("name", ["mxfp4", "nvfp4", "ufp4", "mxfp4_dh"])

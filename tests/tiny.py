@@ -1,4 +1,8 @@
-"""Tiny model configs shared by the tests, and a CUDA training-step loop."""
+"""Tiny model configs shared by the tests, a CUDA training-step loop, and the live-tensor census of the
+CUDA-graph-pool tests."""
+import gc
+import sys
+
 import torch
 from transformers import LlamaConfig, Qwen2Config
 
@@ -25,3 +29,19 @@ def cuda_train_steps(model, batches):
             loss = model(ids, labels=ids).loss
         loss.backward()
         yield loss.detach()
+
+
+def clear_package_caches() -> None:
+    """Empty every functools cache of the hf_fp4 package, as in a fresh process (a cache filled by an earlier test
+    would hide a tensor that a first call keeps)."""
+    for name, module in list(sys.modules.items()):
+        if name.startswith("hf_fp4"):
+            for obj in list(vars(module).values()):
+                if callable(getattr(obj, "cache_clear", None)):
+                    obj.cache_clear()
+
+
+def live_tensors() -> dict[int, torch.Tensor]:
+    """Every tensor the garbage collector can see, by id (after a collection)."""
+    gc.collect()
+    return {id(o): o for o in gc.get_objects() if torch.is_tensor(o)}
