@@ -24,7 +24,7 @@
    time per op, and the host-device synchronisations per step.
 8. --model-operands [linear|bench-50m|llama-1.1b]: a recipe's x and dy operand pairs at a model's activation
    shapes (tokens x K, tokens x N), captured, against a device copy by the bytes moved -- per statistics-pass
-   tile and program count (operand.STATS_TILE, STATS_PROGRAMS) and per operand tile.
+   tile and program count (operand.STATS_TILE, STATS_PROGRAMS).
 """
 from __future__ import annotations
 
@@ -118,8 +118,8 @@ def main():
                    help="the BF16-form GEMM: torch.mm + epilogue against the fused Triton kernel per tile and the "
                         "op's route, at the GEMMs of the linear bench (default), bench-50m or the 1.1B Llama")
     p.add_argument("--model-operands", nargs="?", const="bench-50m", default=None, choices=tuple(GEMM_SHAPES),
-                   help="the x / dy operand pairs of --presets at a model's activation shapes, per stats and "
-                        "operand tile, against copy bandwidth")
+                   help="the x / dy operand pairs of --presets at a model's activation shapes, per statistics-pass "
+                        "tile, against copy bandwidth")
     p.add_argument("--presets", default="nvfp4,ufp4,mxfp4", help="--model-operands' recipes")
     p.add_argument("--triton-gemm", action="store_true", help="a Triton 1x128 FP8 GEMM: exactness and time")
     p.add_argument("--fp8-accuracy", action="store_true",
@@ -816,7 +816,7 @@ def model_operands(dev: str, model: str, presets: list[str]) -> None:
     """For each preset and each distinct activation shape of `model` (x: tokens x K, dy: tokens x N), the operand
     pair FP4Linear makes of that tensor (both orientations; stats pass + operand pass), captured, as % of a device
     copy's bandwidth by the bytes moved (t read twice -- statistics and operands -- plus the operands written), per
-    statistics-pass variant (STATS_VARIANTS; None = the defaults) and, at the default statistics, per operand tile.
+    statistics-pass variant (STATS_VARIANTS; None = the defaults).
     bench-50m's NVFP4 step spent 7.5 ms in operand kernels and 2.7 ms in the statistics pass (session 31)."""
     from hf_fp4.kernels import operand as operand_module
     from hf_fp4.nn.operands import LinearPlan
@@ -839,15 +839,15 @@ def model_operands(dev: str, model: str, presets: list[str]) -> None:
             for c in widths:
                 t = torch.randn(tokens, c, device=dev, dtype=torch.bfloat16)
                 copy = graph_ms(lambda: t.clone())
+                ops = operand_module.triton_operands(t, plans, seeds, signs)  # the same outputs for every variant
+                moved = 2 * t.numel() * t.element_size() + sum(o.data.numel() * o.data.element_size()
+                                                               for o in ops if o is not None)
                 row = [f"{tokens}x{c}", f"{copy:.4f}"]
                 for tile, programs in STATS_VARIANTS:
                     operand_module.STATS_TILE, operand_module.STATS_PROGRAMS = (tile or default[0],
                                                                                 programs or default[1])
                     operand_module._launch_config.cache_clear()
-                    ops = operand_module.triton_operands(t, plans, seeds, signs)
-                    written = sum(o.data.numel() * o.data.element_size() for o in ops if o is not None)
                     ms = graph_ms(lambda: operand_module.triton_operands(t, plans, seeds, signs))
-                    moved = 2 * t.numel() * t.element_size() + written
                     row.append(f"{ms:.4f} ({100 * moved / (2 * t.numel() * t.element_size()) * copy / ms:.0f}%)")
                 print("| " + " | ".join(row) + " |", flush=True)
     operand_module.STATS_TILE, operand_module.STATS_PROGRAMS = default

@@ -89,6 +89,13 @@ def rows(label, *values):
     return [{"label": label, "final_val_loss": v} for v in values]
 
 
+def seeded_rows(label, pairs):
+    """Study results of one label with their seeds: a run per (seed, final validation loss), with the fields
+    gap_table prints."""
+    return [{"label": label, "recipe": "nvfp4", "seed": s, "final_val_loss": v, "tokens_trained": 10, "epochs": 0.5}
+            for s, v in pairs]
+
+
 def test_gap_table_reports_the_bf16_seed_spread_and_two_standard_errors_of_each_gap():
     results = [{"label": "bf16", "recipe": "bf16", "final_val_loss": v, "tokens_trained": 10, "epochs": 0.5}
                for v in (4.0, 4.2)] + [{"label": "x", "recipe": "nvfp4", "final_val_loss": 4.41, "tokens_trained": 10,
@@ -220,17 +227,13 @@ def test_the_same_seed_gap_pairs_each_run_with_bf16s_run_of_its_seed():
     errors from the spread of those differences; a seed bf16 did not run is left out; the table shows it."""
     from hf_fp4.train.study import paired_gap
 
-    def runs(label, pairs):
-        return [{"label": label, "recipe": "nvfp4", "seed": s, "final_val_loss": v, "tokens_trained": 10,
-                 "epochs": 0.5} for s, v in pairs]
-
-    bf16 = runs("bf16", [(0, 4.0), (1, 4.2), (2, 4.0)])
-    x = runs("x", [(0, 4.04), (1, 4.284), (7, 1.0)])  # +1%, +2%; seed 7 has no bf16 run
+    bf16 = seeded_rows("bf16", [(0, 4.0), (1, 4.2), (2, 4.0)])
+    x = seeded_rows("x", [(0, 4.04), (1, 4.284), (7, 1.0)])  # +1%, +2%; seed 7 has no bf16 run
     mean, two_se, n = paired_gap(x, bf16)
     assert n == 2 and mean == pytest.approx(1.5) and two_se == pytest.approx(2 * (0.5 ** 0.5) / 2 ** 0.5)
-    assert paired_gap(runs("y", [(1, 4.158)]), bf16) == (pytest.approx(-1.0), None, 1)
-    assert paired_gap(runs("z", [(9, 4.0)]), bf16) is None
-    table = gap_table(bf16 + x + runs("y", [(1, 4.158)]) + runs("z", [(9, 4.0)]))
+    assert paired_gap(seeded_rows("y", [(1, 4.158)]), bf16) == (pytest.approx(-1.0), None, 1)
+    assert paired_gap(seeded_rows("z", [(9, 4.0)]), bf16) is None
+    table = gap_table(bf16 + x + seeded_rows("y", [(1, 4.158)]) + seeded_rows("z", [(9, 4.0)]))
     assert "| +1.50% ± 1.00% (2 seeds) |" in table and "| -1.00% (1 seed) |" in table
     assert table.count("| - |\n") == 2  # bf16's own row and z's (no common seed) end in "-"
 
@@ -240,11 +243,8 @@ def test_the_goal_uses_the_same_seed_gap_once_two_seeds_are_shared():
     seed: the same-seed gap decides "met"; with one shared seed the means decide ("not measurable yet")."""
     from hf_fp4.train.study import goal_verdict
 
-    def runs(label, pairs):
-        return [{"label": label, "seed": s, "final_val_loss": v} for s, v in pairs]
-
-    base = runs("bf16", [(0, 4.0), (1, 4.08), (2, 4.0)])
-    a = runs("a", [(0, 4.010), (1, 4.0962), (2, 4.0112)])  # +0.25%, +0.4%, +0.28%
+    base = seeded_rows("bf16", [(0, 4.0), (1, 4.08), (2, 4.0)])
+    a = seeded_rows("a", [(0, 4.010), (1, 4.0962), (2, 4.0112)])  # +0.25%, +0.4%, +0.28%
     met = goal_verdict(base + a, 0.5)
     diffs = [0.25, 100 * (4.0962 - 4.08) / 4.08, 0.28]
     mean = sum(diffs) / 3

@@ -175,8 +175,7 @@ class FP4AdamW(torch.optim.Optimizer):
         from ..kernels.optim import supports
 
         if self.backend == "reference" or not supports(self.spec) or not (
-                type(p.data) is torch.Tensor and type(p.grad) is torch.Tensor and p.is_contiguous()
-                and p.grad.is_contiguous() and p.grad.device == p.device
+                _plain(p) and p.is_contiguous() and p.grad.is_contiguous()
                 and p.dtype in (torch.float32, torch.bfloat16)):  # the parameter dtypes the kernel writes
             return False
         return p.is_cuda if self.backend == "auto" else _kernel_device(p)
@@ -201,10 +200,15 @@ def _nibble_tables(spec: QuantSpec, device: torch.device) -> tuple[torch.Tensor,
     return values[:16, 0].contiguous(), factors
 
 
+def _plain(p: torch.Tensor) -> bool:
+    """Whether p and its gradient are plain tensors on one device (a tensor subclass such as FSDP2's DTensor shard
+    keeps the PyTorch path, whose ops it dispatches)."""
+    return type(p.data) is torch.Tensor and type(p.grad) is torch.Tensor and p.grad.device == p.device
+
+
 def _flat_ready(p: torch.Tensor, device: torch.device) -> bool:
-    """Whether p joins _flat_step: a plain tensor (a DTensor shard keeps its own ops) on the step's device, with its
-    gradient there."""
-    return type(p.data) is torch.Tensor and type(p.grad) is torch.Tensor and p.device == device == p.grad.device
+    """Whether p joins _flat_step: a plain tensor (_plain) on the step's device."""
+    return _plain(p) and p.device == device
 
 
 def _scalars(group: dict, t: float) -> dict:
