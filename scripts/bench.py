@@ -841,8 +841,9 @@ def bench_sharq(dev, quick, results):
                     ["K x N"] + list(traffic), rows)
 
 
+NVFP4_NS = {"ns_spec": "nvfp4", "ns_iteration": "cubic", "ns_steps": 12}
 OPTIMIZERS = (("adamw", {}), ("fp4_adamw", {}), ("fp4_adamw", {"backend": "reference"}), ("muon", {}),
-              ("muon", {"ns_spec": "nvfp4", "ns_iteration": "cubic", "ns_steps": 12}))
+              ("muon", NVFP4_NS), ("muon", {**NVFP4_NS, "ns_cuda_graphs": False}))
 
 
 def bench_optim(dev, quick, results):
@@ -884,7 +885,8 @@ def bench_optim(dev, quick, results):
         opt_ms = timed(opt.step, [()], warmup=1, reps=3 if quick else 10)
         n_params = sum(p.numel() for p in model.parameters())
         label = name + ("+nvfp4_ns" if options.get("ns_spec") else "") + (
-            ":reference" if options.get("backend") == "reference" else "")  # FP4AdamW's PyTorch path
+            ":reference" if options.get("backend") == "reference" else "") + (  # FP4AdamW's PyTorch path
+            ":eager" if options.get("ns_cuda_graphs") is False else "")  # Muon's Newton-Schulz without graphs
         results.setdefault("optim", []).append({"model": "bench-50m" if not quick else "tiny", "impl": label,
                                                 "state_bytes_per_param": round(state_bytes(opt) / n_params, 4),
                                                 "peak_mib": None if peak is None else round(peak, 1),

@@ -35,7 +35,7 @@ def test_bench_quick_parts_write_every_row(tmp_path):
     assert all(r["ms"] > 0 for part in ("linear", "attention", "moe", "sharq") for r in results[part])
     assert all(r["ms_stream"] > 0 for r in results["linear"])  # the back-to-back timing beside it
     optim = {r["impl"]: r for r in results["optim"]}
-    assert set(optim) == {"adamw", "fp4_adamw", "fp4_adamw:reference", "muon", "muon+nvfp4_ns"}
+    assert set(optim) == {"adamw", "fp4_adamw", "fp4_adamw:reference", "muon", "muon+nvfp4_ns", "muon+nvfp4_ns:eager"}
     assert all(r["step_ms"] > 0 and r["optimizer_step_ms"] > 0 for r in optim.values())
     assert optim["fp4_adamw"]["state_bytes_per_param"] < optim["adamw"]["state_bytes_per_param"]
     assert next(tmp_path.glob("results-*.md")).read_text().count("|---") >= 5

@@ -46,6 +46,37 @@ def newton_schulz(g: torch.Tensor, steps: int = 5, spec: "QuantSpec | str | None
     return x.mT if tall else x
 
 
+class GraphedNewtonSchulz:
+    """`newton_schulz` replayed from one CUDA graph per input shape: Muon's step runs the same matrices through
+    the same iterations every step, and with NVFP4 operands each matmul is a few Triton launches plus host work
+    per matrix (bench-50m's Muon + NVFP4 step was host-bound, 882 ms).  The first call per shape warms up on a
+    side stream (Triton compiles there), then captures; later calls copy the input in, replay, and return the
+    graph's output tensor -- valid until the next call with the same shape.  The same kernels run, so the
+    result equals eager `newton_schulz` bit for bit (tests/test_optim.py, on a GPU)."""
+
+    def __init__(self, steps: int, spec, iteration: str):
+        self.args = (steps, spec, iteration)
+        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+
+    def __call__(self, g: torch.Tensor) -> torch.Tensor:
+        key = (tuple(g.shape), g.dtype, g.device)
+        if key not in self.graphs:
+            static_in = g.clone()
+            side = torch.cuda.Stream(g.device)
+            side.wait_stream(torch.cuda.current_stream(g.device))
+            with torch.cuda.stream(side):
+                newton_schulz(static_in, *self.args)
+            torch.cuda.current_stream(g.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                static_out = newton_schulz(static_in, *self.args)
+            self.graphs[key] = (graph, static_in, static_out)
+        graph, static_in, static_out = self.graphs[key]
+        static_in.copy_(g)
+        graph.replay()
+        return static_out
+
+
 class Muon(torch.optim.Optimizer):
     """Muon for the groups marked ``muon=True`` (the hidden weight matrices), AdamW for the others
     (embeddings, norms, LM head) -- one optimizer, so accelerate, schedulers and checkpoints see one.  Each
@@ -53,11 +84,13 @@ class Muon(torch.optim.Optimizer):
 
     Muon: buf = mu buf + g; u = g + mu buf (Nesterov); p -= lr (NS(u) sqrt(max(1, rows / cols)) + wd p).
     ``ns_spec="nvfp4"`` runs the Newton-Schulz matmuls with NVFP4 operands (`newton_schulz`); it needs
-    ``ns_iteration="cubic"`` (the quintic diverges with 4-bit operands) and more steps (e.g. 12)."""
+    ``ns_iteration="cubic"`` (the quintic diverges with 4-bit operands) and more steps (e.g. 12).
+    ``ns_cuda_graphs`` (default True) replays each batch's Newton-Schulz from a CUDA graph on CUDA devices
+    (`GraphedNewtonSchulz`: the same kernels, the same result, without the host work of each launch)."""
 
     def __init__(self, param_groups, lr: float = 0.02, momentum: float = 0.95, ns_steps: int = 5,
                  ns_spec: "str | None" = None, ns_iteration: str = "quintic", weight_decay: float = 0.0,
-                 betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8):
+                 betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, ns_cuda_graphs: bool = True):
         if ns_iteration not in NS_ITERATIONS:
             raise ValueError(f"ns_iteration={ns_iteration!r}: valid values are {', '.join(NS_ITERATIONS)}")
         if ns_spec is not None:
@@ -70,6 +103,8 @@ class Muon(torch.optim.Optimizer):
         if not 0.0 <= momentum < 1.0 or ns_steps < 1:
             raise ValueError(f"need 0 <= momentum < 1 and ns_steps >= 1; got {momentum}, {ns_steps}")
         self.ns_spec = ns_spec
+        self.ns_cuda_graphs = bool(ns_cuda_graphs)
+        self._graphed: dict[int, GraphedNewtonSchulz] = {}  # by ns_steps (a group's own)
         defaults = dict(lr=lr, momentum=momentum, ns_steps=ns_steps, weight_decay=weight_decay, betas=tuple(betas),
                         eps=eps, muon=False)
         super().__init__(param_groups, defaults)
@@ -103,13 +138,19 @@ class Muon(torch.optim.Optimizer):
             p.copy_(master.addcdiv_(state["m"], denom, value=-group["lr"] / (1 - b1 ** t)))
         for items in batches.values():
             group = items[0][0]
-            us = newton_schulz(torch.stack([u for _, _, u in items]), group["ns_steps"], self.ns_spec,
-                               self.ns_iteration)
+            us = self._newton_schulz(torch.stack([u for _, _, u in items]), group["ns_steps"])
             for (_, p, _), u in zip(items, us):
                 scale = max(1.0, p.shape[0] / p.shape[1]) ** 0.5
                 master = p.float().mul_(1 - group["lr"] * group["weight_decay"])
                 p.copy_(master.add_(u, alpha=-group["lr"] * scale))
         return loss
+
+    def _newton_schulz(self, g: torch.Tensor, steps: int) -> torch.Tensor:
+        if not (self.ns_cuda_graphs and g.is_cuda):
+            return newton_schulz(g, steps, self.ns_spec, self.ns_iteration)
+        if steps not in self._graphed:
+            self._graphed[steps] = GraphedNewtonSchulz(steps, self.ns_spec, self.ns_iteration)
+        return self._graphed[steps](g)
 
 
 def orthogonality_error(o: torch.Tensor, g: torch.Tensor) -> float:

@@ -18,7 +18,7 @@ from .data import BUILTIN_DATASETS
 
 #: optimizer name -> the optimizer_options it takes (lr, betas, eps, weight decay come from the config)
 OPTIMIZERS = {"adamw": (), "fp4_adamw": ("state_spec", "v_transform", "min_numel"),
-              "muon": ("muon_lr", "momentum", "ns_steps", "ns_spec", "ns_iteration")}
+              "muon": ("muon_lr", "momentum", "ns_steps", "ns_spec", "ns_iteration", "ns_cuda_graphs")}
 
 
 @dataclass
