@@ -253,6 +253,42 @@ def test_lora_svd_reduces_weight_error_and_trains_its_factors():
     assert torch.allclose(layer.merged_weight().detach(), merged, atol=1e-4)
 
 
+def test_frozen_lora_svd_factors_take_no_update_and_the_weight_learns_as_without_them():
+    """lora_svd_factors="frozen": A and B get no gradient and no optimizer update; W_res's gradient is the one
+    a rank-0 layer of the same name and seed gets from the same x and dy (FP4 wgrad reads only x and dy); dx
+    is that layer's (weight W_res) plus dy B A; a re-split keeps W_res + B A."""
+    from hf_fp4.optim import build_optimizer, param_groups
+
+    torch.manual_seed(0)
+    w = torch.randn(N, K) + 3 * torch.randn(N, 4) @ torch.randn(4, K)
+    frozen = FP4Linear.from_linear(nn.Linear(K, N, bias=False), preset(
+        "nvfp4", lora_svd_rank=8, lora_svd_refresh_every=2, lora_svd_factors="frozen").linear, name="layer")
+    frozen.weight.data.copy_(w)
+    frozen.lora_svd_split(fresh=True)
+    plain = FP4Linear.from_linear(nn.Linear(K, N, bias=False), preset("nvfp4").linear, name="layer")
+    plain.weight.data.copy_(frozen.weight.data)
+    x, dy = inputs()
+    _, dx_frozen, dw_frozen = run(frozen, x, dy)
+    _, dx_plain, dw_plain = run(plain, x, dy)
+    assert frozen.lora_svd_A.grad is None and frozen.lora_svd_B.grad is None
+    torch.testing.assert_close(dw_frozen, dw_plain, rtol=0, atol=0)
+    low_rank = (dy @ frozen.lora_svd_B.detach()) @ frozen.lora_svd_A.detach()  # autograd's order: (dy B) A
+    torch.testing.assert_close(dx_frozen, dx_plain + low_rank, rtol=0, atol=0)
+    a0, b0, w0 = (t.detach().clone() for t in (frozen.lora_svd_A, frozen.lora_svd_B, frozen.weight))
+    opt = build_optimizer("adamw", param_groups(frozen, "adamw", 0.1), 1e-2, (0.9, 0.95), {})
+    opt.step()
+    assert torch.equal(a0, frozen.lora_svd_A) and torch.equal(b0, frozen.lora_svd_B)
+    assert not torch.equal(w0, frozen.weight)
+    merged = frozen.merged_weight().detach().clone()
+    frozen.lora_svd_split()
+    assert torch.allclose(frozen.merged_weight().detach(), merged, atol=1e-4)
+    assert not torch.equal(a0, frozen.lora_svd_A)  # the re-split moved the new top directions into them
+    with pytest.raises(ValueError, match="lora_svd_factors='bogus': valid values are trained, frozen"):
+        preset("nvfp4", lora_svd_rank=8, lora_svd_factors="bogus")
+    with pytest.raises(ValueError, match="set lora_svd_refresh_every > 0"):
+        preset("nvfp4", lora_svd_rank=8, lora_svd_factors="frozen")
+
+
 def test_diagnostics_report_every_operand_and_the_transpose_mismatch():
     _, layer = make_layer("ufp4")
     with hf_fp4.collect_diagnostics() as stats:

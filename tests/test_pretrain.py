@@ -293,16 +293,19 @@ def stop_after_checkpoint(monkeypatch, at_step: int):
     return lambda: monkeypatch.setattr(trainer, "save_checkpoint", real_save)
 
 
-def test_lora_svd_refresh_during_training_resumes_exactly(corpus_files, tmp_path, monkeypatch):
+@pytest.mark.parametrize("factors", ["trained", "frozen"])
+def test_lora_svd_refresh_during_training_resumes_exactly(corpus_files, tmp_path, monkeypatch, factors):
     """LoRA-SVD layers re-split every 3 optimizer steps; a run stopped right after its step-4 checkpoint (one
-    refresh behind it, one ahead) and resumed ends with the uninterrupted run's losses."""
+    refresh behind it, one ahead) and resumed ends with the uninterrupted run's losses -- with the factors
+    trained, and frozen between re-splits."""
     from hf_fp4.nn import lora_svd
 
     refreshed = []
     real_refresh = lora_svd.maybe_refresh
     monkeypatch.setattr(lora_svd, "maybe_refresh",
                         lambda model, step: refreshed.append(step) if real_refresh(model, step) else False)
-    options = {"recipe": "nvfp4", "recipe_options": {"lora_svd_rank": 4, "lora_svd_refresh_every": 3},
+    options = {"recipe": "nvfp4", "recipe_options": {"lora_svd_rank": 4, "lora_svd_refresh_every": 3,
+                                                     "lora_svd_factors": factors},
                "eval_every": 100, "max_steps": 8}
     trainer.train(TrainConfig.from_dict(tiny_cfg(corpus_files, tmp_path / "ref", **options)))
     assert refreshed == [3, 6]

@@ -352,8 +352,11 @@ def init_expert_factors(module: torch.nn.Module, rank: int) -> None:
         w = getattr(module, proj)
         e, n, k = expert_dims(module, proj)
         a_name, b_name = lora_svd.expert_factor_names(proj)
-        module.register_parameter(a_name, torch.nn.Parameter(torch.zeros(e, rank, k, device=w.device, dtype=w.dtype)))
-        module.register_parameter(b_name, torch.nn.Parameter(torch.zeros(e, n, rank, device=w.device, dtype=w.dtype)))
+        train = lora_svd.trains_factors(module.hf_fp4.recipe)
+        module.register_parameter(a_name, torch.nn.Parameter(torch.zeros(e, rank, k, device=w.device, dtype=w.dtype),
+                                                              train))
+        module.register_parameter(b_name, torch.nn.Parameter(torch.zeros(e, n, rank, device=w.device, dtype=w.dtype),
+                                                              train))
 
 
 def expert_factors(module: torch.nn.Module, proj: str) -> tuple[torch.Tensor, torch.Tensor] | None:

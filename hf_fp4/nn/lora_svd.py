@@ -4,7 +4,9 @@ A layer with ``lora_svd_rank=r`` represents W = W_res + B A: `weight` holds W_re
 and `lora_svd_A` [r, K], `lora_svd_B` [N, r] are trainable high-precision parameters used unquantized,
 y = x Q(W_res)^T + (x A^T) B^T.  The split is a rank-r truncated SVD, B = U_r S_r^1/2, A = S_r^1/2 V_r^T; a
 re-split every ``lora_svd_refresh_every`` optimizer steps folds B A back first (the optimizer moments are
-kept as they are).  The factors get no weight decay (`is_factor`).
+kept as they are).  The factors get no weight decay (`is_factor`).  With ``lora_svd_factors="frozen"`` A and B
+are not trained: they stay as the last split made them, W_res takes every update, and a re-split every
+``lora_svd_refresh_every`` steps moves the current top-r directions of W into them (`trains_factors`).
 
 MoE experts (hf_fp4.nn.experts) hold one pair per projection and expert: `<proj>_lora_svd_A` [E, r, K] and
 `<proj>_lora_svd_B` [E, N, r] beside the 3D weight; the functions here split them expert by expert (batched).
@@ -25,8 +27,16 @@ def init_factors(layer: nn.Module, rank: int, device=None, dtype=None) -> None:
     if rank > min(layer.in_features, layer.out_features):
         raise ValueError(f"{layer.layer_name or 'FP4Linear'}: lora_svd_rank={rank} exceeds "
                          f"min(in, out) = {min(layer.in_features, layer.out_features)}")
-    layer.lora_svd_A = nn.Parameter(torch.zeros(rank, layer.in_features, device=device, dtype=dtype))
-    layer.lora_svd_B = nn.Parameter(torch.zeros(layer.out_features, rank, device=device, dtype=dtype))
+    train = trains_factors(layer.recipe)
+    layer.lora_svd_A = nn.Parameter(torch.zeros(rank, layer.in_features, device=device, dtype=dtype), train)
+    layer.lora_svd_B = nn.Parameter(torch.zeros(layer.out_features, rank, device=device, dtype=dtype), train)
+
+
+def trains_factors(recipe) -> bool:
+    """Whether the optimizer trains a recipe's factors (lora_svd_factors "trained"); "frozen" keeps them as the
+    last split made them (parameters without gradient), so W_res takes the whole update and the layer learns as
+    its unfactored weight would, with B A in high precision: the gradient of W_res is that of W = W_res + B A."""
+    return recipe.lora_svd_factors == "trained"
 
 
 def expert_factor_names(proj: str) -> tuple[str, str]:

@@ -29,6 +29,8 @@ from ..numerics.spec import QuantSpec, as_spec
 
 GEMMS = ("fprop", "dgrad", "wgrad")
 OPERANDS = {"fprop": ("x", "w"), "dgrad": ("dy", "w"), "wgrad": ("dy", "x")}
+#: How LoRA-SVD's factors evolve: trained by the optimizer, or frozen between re-splits (W_res takes every update)
+LORA_SVD_FACTORS = ("trained", "frozen")
 
 
 class HadamardKind(str, enum.Enum):
@@ -110,6 +112,7 @@ class LinearRecipe:
     mean_bias_removal: bool = False   # subtract the token mean of x (fprop and wgrad), add it back exactly
     lora_svd_rank: int = 0            # Full-Stack FP4: W = W_res + B A, W_res quantized, A and B not
     lora_svd_refresh_every: int = 0   # re-split every N optimizer steps (0 = never)
+    lora_svd_factors: str = "trained"  # "frozen": A, B fixed between re-splits, W_res takes the whole update
     activation_scheme: str = "plain"  # "sharq": fprop's x as a 4:8 backbone + residual (inference; hf_fp4.nn.sharq)
 
     def __post_init__(self):
@@ -121,6 +124,13 @@ class LinearRecipe:
                 raise ValueError(f"LinearRecipe.{name} must be a GemmSpec or dict, got {type(value).__name__}")
         if self.lora_svd_rank < 0 or self.lora_svd_refresh_every < 0:
             raise ValueError("lora_svd_rank and lora_svd_refresh_every must be >= 0")
+        if self.lora_svd_factors not in LORA_SVD_FACTORS:
+            raise ValueError(f"lora_svd_factors={self.lora_svd_factors!r}: valid values are "
+                             f"{', '.join(LORA_SVD_FACTORS)}")
+        if self.lora_svd_factors == "frozen" and self.lora_svd_rank and not self.lora_svd_refresh_every:
+            raise ValueError("lora_svd_factors='frozen' keeps B A fixed between re-splits: set "
+                             "lora_svd_refresh_every > 0 (e.g. 100), or the low-rank part stays the initial "
+                             "weights' top singular directions for the whole run")
         if self.activation_scheme not in ("plain", "sharq"):
             raise ValueError(f"activation_scheme={self.activation_scheme!r}: valid values are plain, sharq")
         if self.activation_scheme == "sharq":
@@ -147,6 +157,8 @@ class LinearRecipe:
                    lora_svd_refresh_every=self.lora_svd_refresh_every)
         if self.activation_scheme != "plain":  # older checkpoints and configs stay as they were
             out["activation_scheme"] = self.activation_scheme
+        if self.lora_svd_factors != "trained":
+            out["lora_svd_factors"] = self.lora_svd_factors
         return out
 
     @classmethod
@@ -158,7 +170,8 @@ class LinearRecipe:
                      hadamard_size: int | None = None, grid: str | None = None,
                      mean_bias_removal: bool | None = None, lora_svd_rank: int | None = None,
                      lora_svd_refresh_every: int | None = None, stochastic_rounding: bool | None = None,
-                     weight_blocks: str | None = None, activation_scheme: str | None = None) -> "LinearRecipe":
+                     weight_blocks: str | None = None, activation_scheme: str | None = None,
+                     lora_svd_factors: str | None = None) -> "LinearRecipe":
         """The ablation switches: which GEMMs stay quantized, Hadamard kind/size, element grid, mean-bias
         removal, LoRA-SVD; stochastic_rounding=False rounds every operand to nearest; weight_blocks "1d" / "2d"
         gives the weight operands (fprop and dgrad rhs) 1 x B or B x B blocks; activation_scheme "sharq" (FP4
@@ -166,7 +179,8 @@ class LinearRecipe:
         for key, value, kind in (("hadamard_size", hadamard_size, int), ("mean_bias_removal", mean_bias_removal, bool),
                                  ("lora_svd_rank", lora_svd_rank, int),
                                  ("lora_svd_refresh_every", lora_svd_refresh_every, int),
-                                 ("stochastic_rounding", stochastic_rounding, bool), ("weight_blocks", weight_blocks, str)):
+                                 ("stochastic_rounding", stochastic_rounding, bool), ("weight_blocks", weight_blocks, str),
+                                 ("lora_svd_factors", lora_svd_factors, str)):
             if value is not None and (not isinstance(value, kind) or (kind is int and isinstance(value, bool))):
                 raise ValueError(f"recipe option {key} must be {kind.__name__}, got {type(value).__name__} {value!r}")
         if weight_blocks not in (None, "1d", "2d"):
@@ -196,7 +210,7 @@ class LinearRecipe:
             changes[name] = g
         for key, value in (("mean_bias_removal", mean_bias_removal), ("lora_svd_rank", lora_svd_rank),
                            ("lora_svd_refresh_every", lora_svd_refresh_every),
-                           ("activation_scheme", activation_scheme)):
+                           ("lora_svd_factors", lora_svd_factors), ("activation_scheme", activation_scheme)):
             if value is not None:
                 changes[key] = value
         return dataclasses.replace(self, **changes)
@@ -395,6 +409,8 @@ OPTION_DOCS = {
                           "back in high precision"),
     "lora_svd_rank": ("int >= 0", "LoRA-SVD: W = W_res + B A, the rank-r B A trained unquantized (hf_fp4.nn.lora_svd)"),
     "lora_svd_refresh_every": ("int >= 0", "fold B A back and re-split every N optimizer steps (0: never)"),
+    "lora_svd_factors": ("trained, frozen", "frozen: A and B fixed between re-splits (no gradient), W_res takes "
+                         "the whole update; needs lora_svd_refresh_every"),
     "stochastic_rounding": ("bool", "False rounds every operand to nearest"),
     "weight_blocks": ("1d, 2d", "the fprop / dgrad weight operands' blocks: 1 x B or B x B"),
     "activation_scheme": ("plain, sharq", "sharq: fprop's x as SharQ's 4:8 backbone + residual (inference only)"),
