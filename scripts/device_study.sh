@@ -92,5 +92,8 @@ cd "$ROOT/study-${NAME:-$(cat "$ROOT/name" 2>/dev/null)}" 2>/dev/null && tar czf
   $(ls -d runs/*/metrics.jsonl runs/*/run_info.json runs/*/result.json runs/*/train_config.yaml logs 2>/dev/null)
 cp "$ROOT/study.log" "$OUT/" 2>/dev/null
 nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader > "$OUT/gpu.txt"
+# what the runs' processes are doing (session 32: five runs sat 15 minutes before touching the GPU -- CPU-bound
+# LoRA-SVD splits under thread oversubscription -- and only the GPU's 0% said so)
+ps -eo pid,pcpu,nlwp,etime,args --sort=-pcpu | grep -E "hf_fp4 (study|pretrain)" | grep -v grep | head -12 > "$OUT/ps.txt"
 pgrep -f "$STUDY_PROCESS" > /dev/null && echo "study still running" || echo "study process ended"
 tail -20 "$ROOT/study.log"
