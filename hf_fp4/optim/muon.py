@@ -68,7 +68,8 @@ class GraphedNewtonSchulz:
                 newton_schulz(static_in, *self.args)
             torch.cuda.current_stream(g.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            # thread_local: another thread's CUDA work (a data loader's pinned copies) does not void the capture
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 static_out = newton_schulz(static_in, *self.args)
             self.graphs[key] = (graph, static_in, static_out)
         graph, static_in, static_out = self.graphs[key]
