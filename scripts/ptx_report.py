@@ -32,16 +32,14 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from hopper_compile import (GROUPED_OPERAND_CASES, OPERAND_CASES, backward_cases,  # noqa: E402
                             compile_for_hopper, divisible_args, group_stats_kernel_args, grouped_gemm_cases,
-                            operand_kernel_args, operand_plan, stats_kernel_args)
+                            operand_kernel_args, operand_plan, resources, stats_kernel_args)
 
 from hf_fp4.kernels import operand as K  # noqa: E402
 
-#: Pairs beyond hopper_compile's: x of ufp4 (RHT-16 both ways), NVFP4's wgrad operand alone, NVFP4's weight pair.
+#: Pairs beyond hopper_compile's: x of ufp4 (RHT-16 both ways), NVFP4's wgrad operand alone.
 EXTRA_CASES = {
     "ufp4-both-bf16-rht16": (operand_plan("ufp4", "bf16", 16, True), operand_plan("ufp4", "bf16", 16, True, True)),
     "nvfp4-cols-bf16-rht16": (None, operand_plan("nvfp4", "bf16", 16, True)),
-    # NVFP4's weight pair: 16 x 16 blocks, both orientations from one quantization (fprop and dgrad)
-    "nvfp4_2d-both-bf16": (operand_plan("nvfp4_2d", "bf16"), operand_plan("nvfp4_2d", "bf16")),
 }
 
 
@@ -51,17 +49,6 @@ def accesses(ptx: str) -> dict[str, int]:
         vec, width = re.search(r"\.v(\d)", mods), re.search(r"\.[bufs](\d+)", mods)
         count[f"{kind}.{space}.v{vec.group(1) if vec else 1}.{width.group(1) if width else '?'}"] += 1
     return dict(sorted(count.items()))
-
-
-def resources(cubin: bytes) -> tuple[str, str]:
-    """(registers, stack bytes) of a cubin, from the cuobjdump that Triton bundles."""
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-        out = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
-    regs, stack = re.search(r"REG:(\d+)", out), re.search(r"STACK:(\d+)", out)
-    return (regs.group(1) if regs else "?"), (stack.group(1) if stack else "?")
 
 
 def sass_mix(cubin: bytes) -> collections.Counter:

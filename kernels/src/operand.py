@@ -635,8 +635,11 @@ def _operand_kernel(t_ptr, R, C, s_r, s_c, mu_ptr,
 #: B across row tiles (across(), _emit_across): two blocks of rows a program, so each row tile has two rows (2 x
 #: 128 over 4 warps for H 16, 8 warps for H 32: 2 elements a thread and tile) -- chosen from the sm_90 code
 #: (scripts/ptx_report.py), not yet timed.
+#: Pairs of 2D blocks (the presets' weights) take RELOAD too: with Triton 3.9 the register transpose of their tile
+#: compiles to a 3.5 KiB stack and 278 SASS instructions per element (32 registers), with RELOAD to none and 47;
+#: with Triton 3.6 (the GPU image) 46 without RELOAD, 49 with (sm_90 code, scripts/ptx_report.py; session 32).
 TILES = {"rows": (64, 128, 4), "cols": (32, 64, 2), "both": (32, 64, 2), "both_fp8": (32, 64, 2, True),
-         "across_16": (32, 128, 4), "across_32": (64, 128, 8)}
+         "both_2d": (32, 64, 2, True), "across_16": (32, 128, 4), "across_32": (64, 128, 8)}
 #: Largest operand tile one program makes (elements): a pair whose Hadamards need more (256 both ways: a
 #: 256 x 256 tile) is made by two launches, one per orientation -- on the H200 one 256 x 256 program of 2
 #: warps had not finished compiling after 5 minutes (session 10's GPU suite), and neither had it here.
@@ -668,6 +671,8 @@ def _launch_config(plans, tile):
     kind = "both" if a is not None and b is not None else "rows" if a is not None else "cols"
     if kind == "both" and b.form == "fp8":
         kind = "both_fp8"
+    elif kind == "both" and b.spec.block[0] > 1:
+        kind = "both_2d"
     if across(b):
         kind = f"across_{b.spec.block[1]}"
     tile = _fit(tile or TILES[kind], a, b)
