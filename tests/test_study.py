@@ -206,8 +206,8 @@ def test_only_runs_the_named_labels_and_runs(corpus_files, tmp_path, capsys):
 
 
 def test_runs_side_by_side_share_the_cpu_threads_unless_the_caller_set_them(corpus_files, tmp_path, monkeypatch):
-    """Each of `parallel` runs gets OMP_NUM_THREADS = cores // parallel (at least 1); a value in the caller's
-    environment is kept."""
+    """Each of `parallel` runs gets OMP_NUM_THREADS and TORCHINDUCTOR_COMPILE_THREADS = cores // parallel (at least
+    1); a value in the caller's environment is kept."""
     import os
 
     from hf_fp4.train.study import threads_per_run
@@ -216,17 +216,18 @@ def test_runs_side_by_side_share_the_cpu_threads_unless_the_caller_set_them(corp
     study = load_study(write_study(tmp_path, corpus_files, [{"recipe": "bf16"}, {"recipe": "nvfp4"}]), out)
     # the launcher stands in for the pretrain command and records the thread count it was given
     record = [sys.executable, "-c", "import os, sys; open(sys.argv[-1] + '.threads', 'w').write("
-                                    "os.environ['OMP_NUM_THREADS'])"]
+                                    "os.environ['OMP_NUM_THREADS'] + ' ' + os.environ['TORCHINDUCTOR_COMPILE_THREADS'])"]
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
     monkeypatch.setattr(os, "cpu_count", lambda: 16)
     assert threads_per_run(5) == 3 and threads_per_run(1) == 16 and threads_per_run(40) == 1
     assert run_study(study, out, parallel=5, launcher=record, poll_s=0.05) == {"bf16-s0": 0, "nvfp4-s0": 0}
-    assert [p.read_text() for p in sorted((out / "configs").glob("*.threads"))] == ["3", "3"]
+    assert [p.read_text() for p in sorted((out / "configs").glob("*.threads"))] == ["3 3", "3 3"]
     monkeypatch.setenv("OMP_NUM_THREADS", "7")
     for p in (out / "configs").glob("*.threads"):
         p.unlink()
     run_study(study, out, parallel=5, launcher=record, poll_s=0.05)
-    assert [p.read_text() for p in sorted((out / "configs").glob("*.threads"))] == ["7", "7"]
+    assert [p.read_text() for p in sorted((out / "configs").glob("*.threads"))] == ["7 3", "7 3"]
 
 
 def test_prepare_only_tokenises_the_data_and_starts_no_run(corpus_files, tmp_path, capsys):

@@ -191,7 +191,8 @@ def run_study(study: Study, out: str | Path, parallel: int = 1, gpus: list[str] 
             run, cfg_path, state = queue.pop(0)
             slot = slots.pop(0)
             env = dict(os.environ)
-            env.setdefault("OMP_NUM_THREADS", str(threads_per_run(parallel)))
+            for var in ("OMP_NUM_THREADS", "TORCHINDUCTOR_COMPILE_THREADS"):  # the cores shared out
+                env.setdefault(var, str(threads_per_run(parallel)))
             if gpus:
                 env["CUDA_VISIBLE_DEVICES"] = str(gpus[slot % len(gpus)])
             cmd = [*(launcher or [sys.executable]), "-m", "hf_fp4", "pretrain", "--config", str(cfg_path)]
@@ -215,8 +216,8 @@ def run_study(study: Study, out: str | Path, parallel: int = 1, gpus: list[str] 
 
 
 def threads_per_run(parallel: int) -> int:
-    """CPU threads for each of `parallel` runs side by side (their OMP_NUM_THREADS unless the caller set one):
-    the machine's cores shared out.  Each run otherwise starts a thread per core, and OpenMP's spinning
+    """CPU threads for each of `parallel` runs side by side (their OMP_NUM_THREADS and inductor's compile workers,
+    TORCHINDUCTOR_COMPILE_THREADS, unless the caller set them): the machine's cores shared out.  Each run otherwise starts a thread per core, and OpenMP's spinning
     waits make oversubscribed CPU work crawl: LoRA-SVD's splits at model build (70 SVDs, 6 s alone on 2 cores)
     took 85-91 s in each of three processes side by side, 11 s with one thread each; five fs-lora16 runs on a
     16-core GPU machine had built no model after 15 minutes (session 32)."""
