@@ -4,7 +4,8 @@ A small Llama whose decoder linears are W (variant "plain...") or the LoRA-SVD s
 A = S_r^1/2 V_r^T, rank 16: hf_fp4.nn.lora_svd's), trained with AdamW as the trainer does (lr warmup + cosine over
 `horizon` steps, weight decay 0.1 on matrices, none on the factors, clipping at 1) on the built-in corpus; a
 "-q" variant fake-quantizes W / W_res to NVFP4 in the forward (straight-through), "-wd" gives the factors weight
-decay 0.05, "-lr4" a quarter of the lr, "-refresh" re-splits every 100 steps.  Prints the loss, the gradient norm
+decay 0.05, "-lr4" a quarter of the lr, "-refresh" re-splits every 100 steps, "-frozen" trains no factors (W_res
+takes every update, as lora_svd_factors: frozen) and re-splits every 100 steps.  Prints the loss, the gradient norm
 and the norms of W_res, B A and W every 25 steps.  Plain PyTorch (no hf_fp4 kernels): minutes, not hours, on a CPU.
 
     python scripts/probe_lora_svd_cpu.py VARIANT STEPS LR [HIDDEN] [HORIZON] [LAYERS]
@@ -74,12 +75,15 @@ for layer in model.model.layers:
                 setattr(parent, name, swap(child))
 named = list(model.named_parameters())
 fac = [p for n, p in named if n.endswith((".A", ".B"))]
+FROZEN = "-frozen" in variant
+for p in fac:
+    p.requires_grad_(not FROZEN)
 dec = [p for n, p in named if p.dim() >= 2 and not n.endswith((".A", ".B"))]
 nod = [p for n, p in named if p.dim() < 2]
 fwd = 0.05 if "-wd" in variant else 0.0
 flr = lr / 4 if "-lr4" in variant else lr
 groups = [{"params": dec, "weight_decay": 0.1}, {"params": nod, "weight_decay": 0.0}]
-if fac:
+if fac and not FROZEN:
     groups.append({"params": fac, "weight_decay": fwd, "lr": flr})
 opt = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
 base = [g["lr"] for g in opt.param_groups]
@@ -97,7 +101,7 @@ for s in range(steps):
     loss.backward()
     gn = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step(); opt.zero_grad(set_to_none=True)
-    if "-refresh" in variant and s % 100 == 99:
+    if ("-refresh" in variant or FROZEN) and s % 100 == 99:
         for m in model.modules():
             if isinstance(m, Split): m.refresh()
     if s % 25 == 0 or s == steps - 1:
