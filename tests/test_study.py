@@ -215,8 +215,8 @@ def test_runs_side_by_side_share_the_cpu_threads_unless_the_caller_set_them(corp
     out = tmp_path / "out"
     study = load_study(write_study(tmp_path, corpus_files, [{"recipe": "bf16"}, {"recipe": "nvfp4"}]), out)
     # the launcher stands in for the pretrain command and records the thread count it was given
-    record = [sys.executable, "-c", "import os, sys; open(sys.argv[-1] + '.threads', 'w').write("
-                                    "os.environ['OMP_NUM_THREADS'] + ' ' + os.environ['TORCHINDUCTOR_COMPILE_THREADS'])"]
+    record = [sys.executable, "-c", "import os, sys; e = os.environ; open(sys.argv[-1] + '.threads', 'w').write("
+                                    "e['OMP_NUM_THREADS'] + ' ' + e['TORCHINDUCTOR_COMPILE_THREADS'])"]
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
     monkeypatch.setattr(os, "cpu_count", lambda: 16)
