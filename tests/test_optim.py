@@ -150,6 +150,38 @@ def test_the_fused_step_is_the_pytorch_step_bit_for_bit(spec, transform, dtype):
                                           v_transform=transform, min_numel=1)
 
 
+def assert_batched_steps_are_the_pytorch_steps(shapes, device="cpu"):
+    """Parameters of `shapes` (FP32 and BF16 in turn, one joining at the second step), in two groups (the second
+    without weight decay, at another lr): three FP4AdamW steps on the kernels and on the PyTorch path -- each
+    parameter, code, block scale and tensor scale equal bit for bit."""
+    runs = {}
+    for backend in ("triton", "reference"):
+        ps = [params(i, shape).to(device, [torch.float32, torch.bfloat16][i % 2]).detach().requires_grad_()
+              for i, shape in enumerate(shapes)]
+        groups = [{"params": ps[:3]}, {"params": ps[3:], "weight_decay": 0.0, "lr": LR / 3}]
+        opt = FP4AdamW(groups, lr=LR, betas=(B1, B2), eps=EPS, weight_decay=WD, backend=backend, min_numel=1)
+        for step in range(3):
+            for i, p in enumerate(ps):
+                late = i == len(ps) - 1 and step == 0
+                p.grad = None if late else grads(10 * i + step, p.shape).to(device, p.dtype)
+            opt.step()
+        runs[backend] = [(p.detach().clone(), _state_bits(opt, p)) for p in ps]
+    assert float(opt.state[ps[-1]]["step"]) == 2 and float(opt.state[ps[0]]["step"]) == 3
+    for (p_fused, st_fused), (p_ref, st_ref) in zip(runs["triton"], runs["reference"]):
+        bits = torch.int16 if p_ref.dtype == torch.bfloat16 else torch.int32
+        assert torch.equal(p_fused.view(bits), p_ref.view(bits))
+        assert st_fused.keys() == st_ref.keys() and len(st_ref) == 6
+        for key in st_ref:
+            assert torch.equal(st_fused[key], st_ref[key]), key
+
+
+def test_one_launch_pair_steps_many_parameters_as_the_pytorch_path_bit_for_bit():
+    """The kernels take a batch of parameters in one launch per pass (tables of tiles, addresses and sizes): five
+    parameters of different shapes (one 3D, viewed as rows), FP32 and BF16, two groups, one parameter with its own
+    step count (its own batch)."""
+    assert_batched_steps_are_the_pytorch_steps([(37, 83), (16, 32), (3, 5, 48), (64, 16), (9, 200)])
+
+
 def test_the_fused_step_is_used_where_it_applies():
     """backend "auto" on the CPU, "reference", a state spec the kernels do not take (8-bit), a non-contiguous
     parameter, a tensor subclass (FSDP2's DTensor shards) and an FP16 parameter keep the PyTorch path; "triton"
@@ -187,6 +219,14 @@ def test_the_fused_step_is_the_pytorch_step_at_full_size_on_gpu(shape):
     assert_fused_step_is_the_pytorch_step(lambda: cuda_randn(0).requires_grad_(),
                                           lambda step: cuda_randn(1 + step) * torch.logspace(-4, 0, shape[1],
                                                                                              device="cuda"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_one_launch_pair_steps_many_parameters_as_the_pytorch_path_on_gpu():
+    """The batched launch at model sizes (bench-50m's matrices and its embedding), FP32 and BF16, two groups."""
+    assert_batched_steps_are_the_pytorch_steps([(640, 640), (1728, 640), (640, 1728), (320, 640), (32000, 640),
+                                                (4, 160, 640)], device="cuda")
 
 
 def test_bad_options_and_non_finite_gradients_are_refused():

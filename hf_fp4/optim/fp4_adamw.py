@@ -17,9 +17,9 @@ as uint8, the tensor scale in FP32), so save/load through torch.save or accelera
 
 The update (`_update`) rounds once per operation -- products and sums apart, the bias corrections multiplied as
 FP32 reciprocals -- so that it means the same on every device (PyTorch's fused forms, add(alpha=) or a division
-by a scalar, round differently on CPU and CUDA).  backend "triton" (the default on CUDA) runs a quantized
-parameter's whole step in two kernel launches (hf_fp4.kernels.optim, bit-exact with this module's PyTorch
-path, "reference"); the PyTorch path launches ~35 kernels per parameter.  The FP32-moment parameters of a group
+by a scalar, round differently on CPU and CUDA).  backend "triton" (the default on CUDA) runs the whole
+step of a group's quantized parameters in two kernel launches (hf_fp4.kernels.optim, bit-exact with this module's
+PyTorch path, "reference"); the PyTorch path launches ~35 kernels per parameter.  The FP32-moment parameters of a group
 take one update over their concatenation (`_flat_step`: the same operations elementwise, the same bits).
 """
 from __future__ import annotations
@@ -126,6 +126,7 @@ class FP4AdamW(torch.optim.Optimizer):
             raise FloatingPointError(f"FP4AdamW: non-finite gradient, or one of magnitude >= 2^63 (its square "
                                      f"overflows FP32); the state would be lost on re-quantization: skip the step")
         small = {}  # FP32-moment parameters, batched by (group, step): one update over their concatenation
+        fused = {}  # the kernels' parameters, batched by (group, step, dtype): two launches a batch
         for group, p in walk:
             state = self.state[p]
             if not state:
@@ -139,7 +140,7 @@ class FP4AdamW(torch.optim.Optimizer):
             state["step"] += 1
             scalars = _scalars(group, float(state["step"]))
             if self.quantized(p) and self._fused_ready(p):
-                self._fused_step(p, state, scalars)
+                fused.setdefault((id(group), float(state["step"]), p.dtype, p.device), (scalars, []))[1].append(p)
                 continue
             if not self.quantized(p) and _flat_ready(p, walk[0][1].device):
                 small.setdefault((id(group), float(state["step"])), (scalars, []))[1].append(p)
@@ -152,6 +153,8 @@ class FP4AdamW(torch.optim.Optimizer):
                 self._store(state, "v", _sqrt_rn(v) if self.v_transform == "sqrt" else v)
             else:
                 state["m"], state["v"] = m, v
+        for scalars, params in fused.values():
+            self._fused_steps(params, scalars)
         for scalars, params in small.values():
             self._flat_step(params, scalars)
         return loss
@@ -180,16 +183,21 @@ class FP4AdamW(torch.optim.Optimizer):
             return False
         return p.is_cuda if self.backend == "auto" else _kernel_device(p)
 
-    def _fused_step(self, p: torch.Tensor, state: dict, scalars: dict) -> None:
-        from ..kernels.optim import triton_fp4_adamw_step
+    def _fused_steps(self, params: list[torch.Tensor], scalars: dict) -> None:
+        """The step of parameters of one group, step count, dtype and device on the kernels: two launches for all."""
+        from ..kernels.optim import triton_fp4_adamw_steps
 
-        p2 = p if p.dim() == 2 else p.view(-1, p.shape[-1])
-        g2 = p.grad if p.grad.dim() == 2 else p.grad.view(-1, p.grad.shape[-1])
-        moments = [{"codes": state[f"{n}_codes"], "scales": state[f"{n}_scales"],
-                    "tensor_scale": state[f"{n}_tensor_scale"]} for n in ("m", "v")]
-        m_ts, v_ts = triton_fp4_adamw_step(p2, g2, *moments, self.spec, _nibble_tables(self.spec, p.device),
-                                           scalars, self.v_transform == "sqrt")
-        state["m_tensor_scale"], state["v_tensor_scale"] = m_ts, v_ts
+        batch = []
+        for p in params:
+            state = self.state[p]
+            batch.append((p if p.dim() == 2 else p.view(-1, p.shape[-1]),
+                          p.grad if p.grad.dim() == 2 else p.grad.view(-1, p.grad.shape[-1]),
+                          *({"codes": state[f"{n}_codes"], "scales": state[f"{n}_scales"],
+                             "tensor_scale": state[f"{n}_tensor_scale"]} for n in ("m", "v"))))
+        scales = triton_fp4_adamw_steps(batch, self.spec, _nibble_tables(self.spec, params[0].device), scalars,
+                                        self.v_transform == "sqrt")
+        for p, (m_ts, v_ts) in zip(params, scales):
+            self.state[p]["m_tensor_scale"], self.state[p]["v_tensor_scale"] = m_ts, v_ts
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,14 +1,16 @@
-"""FP4AdamW's step for one quantized parameter in two launches (hf_fp4.optim.FP4AdamW, backend "triton").
+"""FP4AdamW's step for all of a step's quantized parameters in two launches (hf_fp4.optim.FP4AdamW, backend "triton").
 
 The PyTorch path decodes both moments, updates them and re-quantizes them in ~35 launches per parameter (host-bound
-for a model of many small matrices); here, per tile of the padded [Mp, Kp] state:
+for a model of many small matrices), and two launches per parameter still were (bench-50m: ~25 ms a step over
+AdamW's); here each program takes one tile of one parameter's padded [Mp, Kp] state, found through tables (tile ->
+parameter and tile coordinates; parameter -> its tensors' addresses and sizes), and per tile:
 
   pass 0: decode m and v (grid value x block decode, then x tensor decode; v's zero codes floored to half the
           block's smallest step), the AdamW update of m, v and the parameter (written), and the tensor amax of
           the new m and of the stored form of the new v (sqrt(v) or v) by atomic max;
   pass 1: the same m, v again from the unchanged state, quantized against those amaxes into codes and block
           scales in place (each program reads and writes only its own tile), the new tensor decode scales
-          written by program (0, 0) into fresh tensors.
+          written by the parameter's tile (0, 0) into fresh tensors.
 
 Every operation rounds as `FP4AdamW._update` (the reference, PyTorch ops one IEEE rounding each): products and
 sums apart (the launch disables FP contraction), sqrt and division correctly rounded, the bias corrections and
@@ -76,15 +78,39 @@ def _moment(codes_ptr, scales_ptr, ts_ptr, values_ptr, factors_ptr, pid_m, pid_k
     return values
 
 
+#: Per parameter of a launch: its addresses (the int64 pointer table's columns) and sizes (the size table's).
+POINTERS = ("p", "g", "m_codes", "m_scales", "m_ts", "v_codes", "v_scales", "v_ts", "m_ts_out", "v_ts_out")
+SIZES = ("M", "K", "MP", "KP", "stride_p", "stride_g")
+
+
 @triton.jit
-def _fp4_adamw_kernel(p_ptr, g_ptr, m_codes, m_scales, m_ts, v_codes, v_scales, v_ts, values_ptr, factors_ptr,
-                      stat_ptr, m_ts_out, v_ts_out, M, K, MP, KP, stride_p, stride_g,
+def _address(table, i, column: tl.constexpr, dtype: tl.constexpr):
+    """Parameter i's pointer in `column` of the launch's pointer table (POINTERS), as a pointer to dtype."""
+    return tl.load(table + i * 10 + column).to(tl.pointer_type(dtype))
+
+
+@triton.jit
+def _fp4_adamw_kernel(tiles_ptr, ptrs_ptr, sizes_ptr, values_ptr, factors_ptr, stat_ptr,
                       b1, one_minus_b1, b2, one_minus_b2, c1, c2, eps, decay, lr,
                       BM: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, GRID: tl.constexpr,
                       EMIN: tl.constexpr, MBITS: tl.constexpr, QMAX: tl.constexpr, QM: tl.constexpr,
                       QE: tl.constexpr, EMAX: tl.constexpr, SCALE: tl.constexpr, STEP: tl.constexpr,
                       SQRT_V: tl.constexpr, P_BF16: tl.constexpr, PASS: tl.constexpr):
-    pid_m, pid_k = tl.program_id(0), tl.program_id(1)
+    # program -> (parameter i, its tile pid_m, pid_k); the parameter's addresses and sizes from the tables
+    i = tl.load(tiles_ptr + 3 * tl.program_id(0))
+    pid_m = tl.load(tiles_ptr + 3 * tl.program_id(0) + 1)
+    pid_k = tl.load(tiles_ptr + 3 * tl.program_id(0) + 2)
+    M, K = tl.load(sizes_ptr + 6 * i), tl.load(sizes_ptr + 6 * i + 1)
+    MP, KP = tl.load(sizes_ptr + 6 * i + 2), tl.load(sizes_ptr + 6 * i + 3)
+    stride_p, stride_g = tl.load(sizes_ptr + 6 * i + 4), tl.load(sizes_ptr + 6 * i + 5)
+    if P_BF16:
+        p_ptr, g_ptr = _address(ptrs_ptr, i, 0, tl.bfloat16), _address(ptrs_ptr, i, 1, tl.bfloat16)
+    else:
+        p_ptr, g_ptr = _address(ptrs_ptr, i, 0, tl.float32), _address(ptrs_ptr, i, 1, tl.float32)
+    m_codes, m_scales = _address(ptrs_ptr, i, 2, tl.uint8), _address(ptrs_ptr, i, 3, tl.uint8)
+    v_codes, v_scales = _address(ptrs_ptr, i, 5, tl.uint8), _address(ptrs_ptr, i, 6, tl.uint8)
+    m_ts, v_ts = _address(ptrs_ptr, i, 4, tl.float32), _address(ptrs_ptr, i, 7, tl.float32)
+    stat = stat_ptr + 2 * i
     rows = pid_m * BM + tl.arange(0, BM)
     cols = pid_k * BK + tl.arange(0, BK)
     inside = (rows[:, None] < M) & (cols[None, :] < K)
@@ -110,12 +136,13 @@ def _fp4_adamw_kernel(p_ptr, g_ptr, m_codes, m_scales, m_ts, v_codes, v_scales, 
             tl.store(pp, bf16_bits(p).to(tl.bfloat16, bitcast=True), mask=inside)
         else:
             tl.store(pp, p, mask=inside)
-        tl.atomic_max(stat_ptr, tl.max(tl.max(tl.abs(flush_subnormals(m)), axis=1), axis=0))
-        tl.atomic_max(stat_ptr + 1, tl.max(tl.max(flush_subnormals(stored_v), axis=1), axis=0))
+        tl.atomic_max(stat, tl.max(tl.max(tl.abs(flush_subnormals(m)), axis=1), axis=0))
+        tl.atomic_max(stat + 1, tl.max(tl.max(flush_subnormals(stored_v), axis=1), axis=0))
     else:
-        _store_moment(flush_subnormals(m), m_codes, m_scales, stat_ptr, m_ts_out, pid_m, pid_k, MP, KP, BM, BK,
+        m_ts_out, v_ts_out = _address(ptrs_ptr, i, 8, tl.float32), _address(ptrs_ptr, i, 9, tl.float32)
+        _store_moment(flush_subnormals(m), m_codes, m_scales, stat, m_ts_out, pid_m, pid_k, MP, KP, BM, BK,
                       BR, BC, GRID, EMIN, MBITS, QMAX, QM, QE, EMAX, SCALE)
-        _store_moment(flush_subnormals(stored_v), v_codes, v_scales, stat_ptr + 1, v_ts_out, pid_m, pid_k, MP, KP,
+        _store_moment(flush_subnormals(stored_v), v_codes, v_scales, stat + 1, v_ts_out, pid_m, pid_k, MP, KP,
                       BM, BK, BR, BC, GRID, EMIN, MBITS, QMAX, QM, QE, EMAX, SCALE)
 
 
@@ -138,29 +165,52 @@ def _store_moment(x, codes_ptr, scales_ptr, stat_ptr, ts_out, pid_m, pid_k, MP, 
             tl.store(ts_out, tl.math.div_rn(1.0, tensor_encode_scale(tl.load(stat_ptr), QMAX)))
 
 
-def triton_fp4_adamw_step(p: torch.Tensor, g: torch.Tensor, m: dict, v: dict, spec: QuantSpec, tables: tuple,
-                          scalars: dict, sqrt_v: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """One FP4AdamW step of parameter p (2D view [M, K], rows of unit column stride) with gradient g: p updated in
-    place, the codes and scales of m and v ({"codes", "scales", "tensor_scale"}) rewritten in place; returns the
-    new tensor decode scales of m and v (fresh tensors; the old ones unchanged).  tables: the reference's decodes
-    on p's device, a 4-bit code's grid value [16] and a scale byte's block decode factor [256]; scalars:
-    FP4AdamW's _scalars."""
-    (M, K), (br, bc) = p.shape, spec.block
-    MP, KP = m["codes"].shape[0], m["codes"].shape[1] * 2
+def triton_fp4_adamw_steps(batch: list[tuple], spec: QuantSpec, tables: tuple, scalars: dict,
+                           sqrt_v: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One FP4AdamW step of every parameter in `batch` -- (p, g, m, v) each: p a 2D view [M, K] (rows of unit column
+    stride, all of one dtype), g its gradient, m and v its stored moments ({"codes", "scales", "tensor_scale"}) --
+    in two launches for the whole batch: each p updated in place, the codes and scales of its m and v rewritten in
+    place.  Returns each parameter's new tensor decode scales of m and v (fresh 0-d tensors, views of one buffer;
+    the old ones unchanged).  tables: the reference's decodes on the device, a 4-bit code's grid value [16] and a
+    scale byte's block decode factor [256]; scalars: FP4AdamW's _scalars (one step count and group for all)."""
+    p0 = batch[0][0]
+    dev, (br, bc) = p0.device, spec.block
     bm, bk, warps = TILE
     bm, bk = max(bm, br), max(bk, bc)
-    dev = p.device
-    stat = torch.zeros(2, dtype=torch.float32, device=dev)
+    n = len(batch)
     two_level = spec.scale is ScaleRule.UE4M3_FP32
-    m_ts = torch.empty((), dtype=torch.float32, device=dev) if two_level else m["tensor_scale"]
-    v_ts = torch.empty((), dtype=torch.float32, device=dev) if two_level else v["tensor_scale"]
+    new_ts = torch.empty(n, 2, dtype=torch.float32, device=dev) if two_level else None
+    out = [(new_ts[i, 0], new_ts[i, 1]) if two_level else (m["tensor_scale"], v["tensor_scale"])
+           for i, (_, _, m, v) in enumerate(batch)]
+    pointers, sizes = [], []
+    for (p, g, m, v), (m_ts, v_ts) in zip(batch, out):
+        pointers += [t.data_ptr() for t in (p, g, m["codes"], m["scales"], m["tensor_scale"], v["codes"],
+                                            v["scales"], v["tensor_scale"], m_ts, v_ts)]
+        sizes += [*p.shape, m["codes"].shape[0], m["codes"].shape[1] * 2, p.stride(0), g.stride(0)]
+    # pageable host memory: each copy is staged before it returns (no wait for the device's queue)
+    ptrs = torch.tensor(pointers, dtype=torch.int64).to(dev, non_blocking=True)
+    sizes_t = torch.tensor(sizes, dtype=torch.int64).to(dev, non_blocking=True)
+    tiles = _tile_table(tuple((sizes[6 * i + 2], sizes[6 * i + 3]) for i in range(n)), bm, bk, dev)
+    stat = torch.zeros(n, 2, dtype=torch.float32, device=dev)
     consts = grid_constants(spec.grid)
-    grid = (triton.cdiv(MP, bm), triton.cdiv(KP, bk))
     for pass_ in (0, 1):
-        launcher(_fp4_adamw_kernel)[grid](
-            p, g, m["codes"], m["scales"], m["tensor_scale"], v["codes"], v["scales"], v["tensor_scale"], *tables,
-            stat, m_ts, v_ts, M, K, MP, KP, p.stride(0), g.stride(0), **scalars, BM=bm, BK=bk, BR=br, BC=bc,
+        launcher(_fp4_adamw_kernel)[(tiles.shape[0],)](
+            tiles, ptrs, sizes_t, *tables, stat, **scalars, BM=bm, BK=bk, BR=br, BC=bc,
             SCALE=SCALE_CODES[spec.scale], STEP=grid_step(spec.grid), SQRT_V=sqrt_v,
-            P_BF16=p.dtype == torch.bfloat16, PASS=pass_, num_warps=warps,
+            P_BF16=p0.dtype == torch.bfloat16, PASS=pass_, num_warps=warps,
             enable_fp_fusion=False, **consts)
-    return m_ts, v_ts
+    return out
+
+
+_TILES: dict = {}
+
+
+def _tile_table(padded: tuple[tuple[int, int], ...], bm: int, bk: int, device: torch.device) -> torch.Tensor:
+    """[tiles, 3] int32 (parameter, tile row, tile column) of every tile of the padded states [MP, KP], parameter
+    by parameter -- built once per list of shapes and device (a model steps the same parameters every step)."""
+    key = (padded, bm, bk, str(device))
+    if key not in _TILES:
+        rows = [(i, tm, tk) for i, (mp, kp) in enumerate(padded)
+                for tm in range(triton.cdiv(mp, bm)) for tk in range(triton.cdiv(kp, bk))]
+        _TILES[key] = torch.tensor(rows, dtype=torch.int32).to(device)
+    return _TILES[key]
