@@ -199,13 +199,11 @@ def bf16_gemm_cases():
 def fp4_adamw_cases():
     """FP4AdamW's step (kernels/src/optim.py), both passes, an NVFP4 and an MXFP4 state, FP32 and BF16 parameters."""
     bm, bk, warps = optim.TILE
-    ptrs = ("m_codes", "m_scales", "v_codes", "v_scales")
     for name, p_type in (("nvfp4", "*fp32"), ("mxfp4", "*bf16")):
         spec = QuantSpec.preset(name)
-        types = {"p_ptr": p_type, "g_ptr": p_type, **{k: "*u8" for k in ptrs}, "m_ts": "*fp32", "v_ts": "*fp32",
-                 "values_ptr": "*fp32", "factors_ptr": "*fp32", "stat_ptr": "*fp32", "m_ts_out": "*fp32",
-                 "v_ts_out": "*fp32", **{k: "fp32" for k in ("b1", "one_minus_b1", "b2", "one_minus_b2", "c1", "c2",
-                                                             "eps", "decay", "lr")}}
+        types = {"tiles_ptr": "*i32", "ptrs_ptr": "*i64", "sizes_ptr": "*i64", "values_ptr": "*fp32",
+                 "factors_ptr": "*fp32", "stat_ptr": "*fp32",
+                 **{k: "fp32" for k in ("b1", "one_minus_b1", "b2", "one_minus_b2", "c1", "c2", "eps", "decay", "lr")}}
         for pass_ in (0, 1):
             consts = dict(BM=bm, BK=bk, BR=spec.block[0], BC=spec.block[1], **grid_constants(spec.grid),
                           SCALE=SCALE_CODES[spec.scale], STEP=0.5, SQRT_V=True, P_BF16=p_type == "*bf16", PASS=pass_)
