@@ -78,14 +78,20 @@ if [ "$what" = prep ]; then  # the corpus on the CPUs (niced) while a benchmark 
      ${ONLY:+--only "$ONLY"} > "$ROOT/prep.log" 2>&1 < /dev/null &)
   exit 0
 fi
-if [ "$what" = start ]; then
-  while pgrep -f "$STUDY_PROCESS .*--prepare-only" > /dev/null; do sleep 5; done
-  [ -f "$ROOT/prep.log" ] && tail -3 "$ROOT/prep.log"
-  date -u +"%F %T start" > "$ROOT/study.log"
-  (cd "$ROOT" && setsid nohup python3 -P -m hf_fp4 study "$STUDY" --out "$ROOT/study-$name" --parallel "${PARALLEL:-1}" ${ONLY:+--only "$ONLY"} \
-     >> "$ROOT/study.log" 2>&1 < /dev/null &)
-fi
+# WAIT counts from here, the wait for a running prep included (session 33: counted after it, a call's WAIT of
+# LIMIT - 25 s ran past the call's limit and no file came back)
 deadline=$((SECONDS + ${WAIT:-540}))
+if [ "$what" = start ]; then
+  while [ $SECONDS -lt $deadline ] && pgrep -f "$STUDY_PROCESS .*--prepare-only" > /dev/null; do sleep 5; done
+  [ -f "$ROOT/prep.log" ] && tail -3 "$ROOT/prep.log"
+  if pgrep -f "$STUDY_PROCESS .*--prepare-only" > /dev/null; then
+    echo "the corpus preparation is still running at WAIT: start again in the next call"
+  else
+    date -u +"%F %T start" > "$ROOT/study.log"
+    (cd "$ROOT" && setsid nohup python3 -P -m hf_fp4 study "$STUDY" --out "$ROOT/study-$name" --parallel "${PARALLEL:-1}" \
+       ${ONLY:+--only "$ONLY"} >> "$ROOT/study.log" 2>&1 < /dev/null &)
+  fi
+fi
 while [ $SECONDS -lt $deadline ] && pgrep -f "$STUDY_PROCESS" > /dev/null; do sleep 10; done
 # the study of the last start or prep on this machine, or NAME=<study name> (two studies under one STUDY_ROOT)
 cd "$ROOT/study-${NAME:-$(cat "$ROOT/name" 2>/dev/null)}" 2>/dev/null && tar czf "$OUT/study.tgz" --ignore-failed-read \

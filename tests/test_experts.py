@@ -28,8 +28,18 @@ ARCHS = {
 
 
 def moe_model(arch, recipe="nvfp4", **options):
+    """A tiny MoE model of `arch` with `recipe`; "fullstack/trained": the preset with the paper's trained LoRA-SVD
+    factors (the preset's own are frozen between re-splits)."""
     torch.manual_seed(0)
+    recipe, options = recipe_options(recipe, options)
     return AutoModelForCausalLM.from_config(ARCHS[arch](), quantization_config=FP4TrainConfig(recipe, **options))
+
+
+def recipe_options(recipe: str, options: dict | None = None) -> tuple[str, dict]:
+    """("fullstack/trained", {}) -> ("fullstack", trained-factor options); other names as they are."""
+    name, _, factors = recipe.partition("/")
+    trained = dict(lora_svd_factors="trained", lora_svd_refresh_every=0) if factors == "trained" else {}
+    return name, {**trained, **(options or {})}
 
 
 def routing(tokens, experts, k, seed):
@@ -53,8 +63,9 @@ def per_expert_layers(module, state: ExpertsFP4):
             lin.weight = nn.Parameter(w.clone())
             layer = FP4Linear.from_linear(lin, state.recipe, name=f"{state.name}.{proj}.{e}", seed=state.seed)
             if layer.lora_svd_A is not None:  # the expert's LoRA-SVD factors, copied
-                layer.lora_svd_A = nn.Parameter(getattr(module, f"{proj}_lora_svd_A")[e].detach().clone())
-                layer.lora_svd_B = nn.Parameter(getattr(module, f"{proj}_lora_svd_B")[e].detach().clone())
+                for f in ("A", "B"):  # trained or frozen as the module's
+                    factor = getattr(module, f"{proj}_lora_svd_{f}")
+                    setattr(layer, f"lora_svd_{f}", nn.Parameter(factor[e].detach().clone(), factor.requires_grad))
             pair.append(layer)
         layers.append(pair)
     return layers
@@ -87,7 +98,8 @@ CASES = [(a, r, "reference") for a in sorted(ARCHS) for r in ("nvfp4", "mxfp4", 
     ("qwen3_moe", "nvfp4", "triton"), ("mixtral", "mxfp4", "triton"),  # the fast path (interpreted on the CPU)
     ("mixtral", "mxfp4+fp8gemm", "triton"),  # set_fp8_gemms(model, True): the MX GEMMs in the FP8 form (the
     # experts' default is BF16, the FP4 linears' FP8)
-    ("olmoe", "fullstack", "reference")]  # LoRA-SVD factors per expert (added outside the FP4 GEMMs: any backend)
+    ("olmoe", "fullstack/trained", "reference"),  # LoRA-SVD factors per expert (outside the FP4 GEMMs: any backend)
+    ("olmoe", "fullstack", "reference")]  # the preset's frozen factors: no factor gradient on either side
 
 
 @pytest.mark.parametrize("arch,recipe,backend", CASES)
@@ -102,7 +114,8 @@ def test_experts_layer_equals_per_expert_fp4_linears(arch, recipe, backend):
     state = module.hf_fp4
     state.backend = backend
     gemm_variant(model, variant)
-    assert model.config._experts_implementation == "hf_fp4" and state.recipe == preset(recipe).linear
+    assert model.config._experts_implementation == "hf_fp4"
+    assert state.recipe == preset(*recipe_options(recipe)[:1], **recipe_options(recipe)[1]).linear
     layers = per_expert_layers(module, state)
     for pair in layers:
         for lin in pair:
@@ -130,8 +143,12 @@ def test_experts_layer_equals_per_expert_fp4_linears(arch, recipe, backend):
             for proj, lin in ((up, lin_up), ("down_proj", lin_down)):
                 if lin.lora_svd_A is not None:
                     for f in ("A", "B"):
-                        got = getattr(module, f"{proj}_lora_svd_{f}").grad[e]
-                        assert torch.equal(got, getattr(lin, f"lora_svd_{f}").grad), f"{arch}/{recipe} d{f}[{e}]"
+                        got, want = getattr(module, f"{proj}_lora_svd_{f}").grad, getattr(lin, f"lora_svd_{f}").grad
+                        if state.recipe.lora_svd_factors == "frozen":  # no factor trains, on either side
+                            assert not getattr(module, f"{proj}_lora_svd_{f}").requires_grad
+                            assert got is None and want is None, f"{arch}/{recipe} d{f}"
+                            continue
+                        assert torch.equal(got[e], want), f"{arch}/{recipe} d{f}[{e}]"
     assert state.sr_calls == 2
 
 
@@ -417,7 +434,7 @@ GROUPED_DEVICES = ["cpu"] * INTERPRETED + [pytest.param("cuda", marks=pytest.mar
 @pytest.mark.parametrize("dev", GROUPED_DEVICES)
 @pytest.mark.parametrize("arch,recipe", [("mixtral", "mxfp4+fp8gemm"), ("qwen3_moe", "mxfp4_dh+fp8gemm"),
                                          ("olmoe", "nvfp4"), ("qwen3_moe", "ufp4"), ("mixtral", "tib"),
-                                         ("qwen3_moe", "fullstack"), ("olmoe", "mxfp4")])
+                                         ("qwen3_moe", "fullstack/trained"), ("olmoe", "mxfp4")])
 def test_grouped_expert_gemms_equal_the_per_expert_loop(arch, recipe, dev):
     """The grouped path (hf_fp4.nn.grouped: gathered expert segments, one operand call per tensor, grouped GEMMs --
     FP8 for the MX family, BF16 with per-expert tensor scales for NVFP4 / UFP4, torch's for MX in BF16) against the
@@ -426,7 +443,7 @@ def test_grouped_expert_gemms_equal_the_per_expert_loop(arch, recipe, dev):
     block straddling two experts, another expert's weight or scale) would show."""
     got = _grouped_vs_loop(arch, recipe, True, dev=dev)
     want = _grouped_vs_loop(arch, recipe, False, dev=dev)
-    assert len(got) == len(want) == (8 if recipe == "fullstack" else 4)  # + dA, dB of both projections
+    assert len(got) == len(want) == (8 if recipe == "fullstack/trained" else 4)  # + dA, dB of both projections
     assert_grouped_equals_loop(got, want, f"{arch}/{recipe}")
 
 

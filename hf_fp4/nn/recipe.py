@@ -347,8 +347,12 @@ LINEAR_PRESETS = {
     "tib": lambda: _uniform("mxfp4_2d_up", sr_grads=True),
     "mxfp8": lambda: _uniform("mxfp8"),
     # Full-Stack FP4: NVFP4 linears with LoRA-SVD (rank 16: the paper does not state it; RESEARCH.md infers
-    # 8-64), plus FP4 attention and FP4 AdamW state (RECIPE_ATTENTION, RECIPE_OPTIMIZER)
-    "fullstack": lambda: _nvfp4().with_options(lora_svd_rank=16),
+    # 8-64), plus FP4 attention and FP4 AdamW state (RECIPE_ATTENTION, RECIPE_OPTIMIZER).  The factors are frozen
+    # between re-splits every 100 steps: trained factors (the paper's) diverged in every probe at bench-50m's lr
+    # (benchmarks/study-lora-probe/: gradient norm to ~30-1100, val loss 5.1-5.9 against NVFP4's 3.5-3.9), frozen
+    # ones trained as NVFP4 does; lora_svd_factors="trained", lora_svd_refresh_every=0 give the paper's variant
+    "fullstack": lambda: _nvfp4().with_options(lora_svd_rank=16, lora_svd_factors="frozen",
+                                               lora_svd_refresh_every=100),
 }
 
 def linear_recipe(value: "str | dict | LinearRecipe") -> LinearRecipe:
@@ -457,7 +461,10 @@ def preset_table() -> str:
             rules = "quantization off (the same code path)"
         extra = []
         if recipe.linear.lora_svd_rank:
-            extra.append(f"LoRA-SVD rank {recipe.linear.lora_svd_rank}")
+            lin = recipe.linear
+            extra.append(f"LoRA-SVD rank {lin.lora_svd_rank}" + (f", factors frozen, re-split every "
+                                                                 f"{lin.lora_svd_refresh_every} steps"
+                                                                 if lin.lora_svd_factors == "frozen" else ""))
         if recipe.attention is not None:
             extra.append("attention " + ", ".join(f"{t} {_spec_label(s) if s else 'BF16'}"
                                                   for t, s in recipe.attention.specs().items()))
