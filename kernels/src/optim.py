@@ -187,7 +187,7 @@ def triton_fp4_adamw_steps(batch: list[tuple], spec: QuantSpec, tables: tuple, s
         pointers += [t.data_ptr() for t in (p, g, m["codes"], m["scales"], m["tensor_scale"], v["codes"],
                                             v["scales"], v["tensor_scale"], m_ts, v_ts)]
         sizes += [*p.shape, m["codes"].shape[0], m["codes"].shape[1] * 2, p.stride(0), g.stride(0)]
-    # pageable host memory: each copy is staged before it returns (no wait for the device's queue)
+    # small copies from pageable host memory: the driver stages them before the call returns (the host lists may go)
     ptrs = torch.tensor(pointers, dtype=torch.int64).to(dev, non_blocking=True)
     sizes_t = torch.tensor(sizes, dtype=torch.int64).to(dev, non_blocking=True)
     tiles = _tile_table(tuple((sizes[6 * i + 2], sizes[6 * i + 3]) for i in range(n)), bm, bk, dev)
