@@ -279,3 +279,33 @@ def test_the_goal_uses_the_same_seed_gap_once_two_seeds_are_shared():
     assert met["gap_pct"] == pytest.approx(mean, abs=1e-3) and met["two_se_pct"] == pytest.approx(two_se, abs=1e-3)
     one = goal_verdict(base + a[:1], 0.5)
     assert one["basis"] == "means" and one["verdict"] == "not measurable yet"
+
+
+def test_device_study_start_counts_its_wait_from_its_start_and_never_starts_over_a_running_prep(tmp_path):
+    """scripts/device_study.sh start on a lent GPU machine: while the corpus preparation (prep) still runs, start
+    waits for it -- within WAIT, counted from its own start (session 33: counted after the prep, a call's WAIT ran
+    past the call's limit and no file came back) -- and starts no study beside a prep still running at WAIT."""
+    import os
+    import subprocess
+    import time
+
+    repo = CONFIGS.parent
+    root, out = tmp_path / "root", tmp_path / "out"
+    root.mkdir()
+    (root / "installed").touch()  # no install from .carry
+    # a process whose command line reads as a running prep (the script finds it with pgrep -f)
+    prep = subprocess.Popen(["bash", "-c", 'exec -a "python3 -P -m hf_fp4 study fake --prepare-only" sleep 40'])
+    try:
+        time.sleep(0.3)
+        env = {**os.environ, "STUDY_ROOT": str(root), "OUT": str(out), "WAIT": "2",
+               "STUDY": "configs/study/lora-probe.yaml", "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+        start = time.monotonic()
+        done = subprocess.run(["bash", "scripts/device_study.sh", "start"], cwd=repo, env=env, capture_output=True,
+                              text=True, timeout=35)
+        elapsed = time.monotonic() - start
+    finally:
+        prep.kill()
+    assert "still running at WAIT" in done.stdout, done.stdout + done.stderr
+    assert elapsed < 30  # WAIT 2 s plus a polling step and the script's own work, not the prep's 40
+    assert not (root / "study.log").exists()  # no study started beside the prep
+    assert (out / "ps.txt").exists()  # the call's files are still written
