@@ -20,6 +20,7 @@ from hf_fp4.numerics.philox import philox_uniform  # noqa: E402
 from hf_fp4.nn.recipe import PRESET_NAMES, linear_recipe, preset  # noqa: E402
 
 triton_quant = pytest.importorskip("hf_fp4.kernels.quant")
+from hf_fp4.kernels.numerics import rand4x  # noqa: E402  (a global of the Triton test kernels)
 DEV = "cuda" if CUDA else "cpu"
 
 
@@ -51,6 +52,9 @@ def assert_same(a, b):
 
 
 def test_philox_twin_matches_tl_rand_and_rand4x():
+    """The reference's Philox (hf_fp4.numerics.philox) against Triton's tl.rand and tl.rand4x, and the kernels' own
+    rand4x (one wide multiply per product pair) against both: every word bit for bit, for seeds of both signs and
+    above 2^32 and counters above 2^32 (the interpreter here, the GPU's compiled code in the GPU suite)."""
     import triton
     import triton.language as tl
 
@@ -58,23 +62,32 @@ def test_philox_twin_matches_tl_rand_and_rand4x():
 
     @triton.jit
     def draw(out, seed_ptr, N: tl.constexpr):
-        offs = tl.arange(0, N).to(tl.int64) + (1 << 33)
+        offs = tl.arange(0, N).to(tl.int64) + (1 << 33) + tl.program_id(0) * N
+        at = tl.arange(0, N) + tl.program_id(0) * 9 * N
         seed = tl.load(seed_ptr)  # a device-side int64 seed, as the operand kernels read it
-        tl.store(out + tl.arange(0, N), tl.rand(seed, offs))
+        tl.store(out + at, tl.rand(seed, offs))
         u0, u1, u2, u3 = tl.rand4x(seed, offs)
-        tl.store(out + N + tl.arange(0, N), u0)
-        tl.store(out + 2 * N + tl.arange(0, N), u1)
-        tl.store(out + 3 * N + tl.arange(0, N), u2)
-        tl.store(out + 4 * N + tl.arange(0, N), u3)
+        v0, v1, v2, v3 = rand4x(seed, offs)
+        tl.store(out + N + at, u0)
+        tl.store(out + 2 * N + at, u1)
+        tl.store(out + 3 * N + at, u2)
+        tl.store(out + 4 * N + at, u3)
+        tl.store(out + 5 * N + at, v0)
+        tl.store(out + 6 * N + at, v1)
+        tl.store(out + 7 * N + at, v2)
+        tl.store(out + 8 * N + at, v3)
 
-    out = torch.empty(5 * 512, device=DEV)
-    offsets = torch.arange(512) + (1 << 33)
-    for seed in (0, 977, 2**32 + 5, -(2**62) - 3):
-        draw[(1,)](out, torch.tensor([seed], dtype=torch.int64, device=DEV), 512)
+    n, programs = 512, 2
+    out = torch.empty(9 * n * programs, device=DEV)
+    offsets = torch.arange(n * programs) + (1 << 33)
+    for seed in (0, 977, 2**32 + 5, -(2**62) - 3, 2**63 - 1):
+        draw[(programs,)](out, torch.tensor([seed], dtype=torch.int64, device=DEV), n)
+        got = out.cpu().view(programs, 9, n).transpose(0, 1).reshape(9, n * programs)
         words = [to_uniform(w) for w in philox_words(seed, offsets)]
-        assert torch.equal(out.cpu()[:512], philox_uniform(seed, offsets))
+        assert torch.equal(got[0], philox_uniform(seed, offsets))
         for i, w in enumerate(words):
-            assert torch.equal(out.cpu()[512 * (i + 1):512 * (i + 2)], w), i
+            assert torch.equal(got[1 + i], w), i  # tl.rand4x
+            assert torch.equal(got[5 + i], w), i  # the kernels' rand4x
 
 
 @pytest.mark.parametrize("spec", operand_specs(), ids=str)

@@ -43,8 +43,8 @@ from hf_fp4.numerics.spec import Rounding
 
 from .launch import launcher
 from .numerics import (block_max, encode_factor, e8m0_exponent, expand_blocks, finite_abs, flush_subnormals,
-                       grid_constants, hadamard, hadamard_across, hadamard_block_amax, pow2, round_grid, sr_uniforms,
-                       sr_uniforms_at, tensor_encode_scale, ue4m3_block_scale, with_sign_of)
+                       grid_constants, hadamard, hadamard_across, hadamard_block_amax, pow2, rand4x, round_grid,
+                       sr_uniforms, sr_uniforms_at, tensor_encode_scale, ue4m3_block_scale, with_sign_of)
 from .quant import SCALE_CODES, load_tile
 
 
@@ -542,7 +542,7 @@ def _emit_across(xs, row0, cols, first_tile, out_ptr, n_rows, n_cols, stat_ptr, 
     qs, vals = (), ()
     for j in tl.static_range(N // 4):
         if SR:
-            us = tl.rand4x(seed, base + j)
+            us = rand4x(seed, base + j)
         for w in tl.static_range(4):
             q, v = _round_values(ys[4 * j + w], encode, factor, us[w] if SR else ys[4 * j + w], GRID, SR)
             qs, vals = qs + (q,), vals + (v,)
