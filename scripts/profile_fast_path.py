@@ -121,6 +121,8 @@ def main():
                    help="the x / dy operand pairs of --presets at a model's activation shapes, per statistics-pass "
                         "tile, against copy bandwidth")
     p.add_argument("--presets", default="nvfp4,ufp4,mxfp4", help="--model-operands' recipes")
+    p.add_argument("--stats-default", action="store_true",
+                   help="--model-operands with the default statistics pass only (an A/B of two installs)")
     p.add_argument("--triton-gemm", action="store_true", help="a Triton 1x128 FP8 GEMM: exactness and time")
     p.add_argument("--fp8-accuracy", action="store_true",
                    help="FP8 GEMM error against the FP32 accumulation bound, by contraction length")
@@ -147,7 +149,9 @@ def main():
              (args.optim, lambda: profile_optim(dev, args.optim.split(","))),
              (args.gemm, lambda: gemm_granularity(dev)),
              (args.bf16_gemm, lambda: bf16_gemm_tiles(dev, args.bf16_gemm)),
-             (args.model_operands, lambda: model_operands(dev, args.model_operands, args.presets.split(","))),
+             (args.model_operands, lambda: model_operands(
+                 dev, args.model_operands, args.presets.split(","),
+                 STATS_VARIANTS[:1] if args.stats_default else STATS_VARIANTS)),
              (args.triton_gemm, lambda: triton_blockwise_probe(dev)),
              (args.fp8_accuracy, lambda: fp8_accuracy(dev)),
              (args.mutations, lambda: mutations(dev))]
@@ -812,11 +816,11 @@ STATS_VARIANTS = [(None, None), ((64, 128, 8), 1024), ((64, 128, 8), 2048), ((32
                   ((64, 64, 4), 2048), ((128, 128, 8), 512)]
 
 
-def model_operands(dev: str, model: str, presets: list[str]) -> None:
+def model_operands(dev: str, model: str, presets: list[str], variants=STATS_VARIANTS) -> None:
     """For each preset and each distinct activation shape of `model` (x: tokens x K, dy: tokens x N), the operand
     pair FP4Linear makes of that tensor (both orientations; stats pass + operand pass), captured, as % of a device
     copy's bandwidth by the bytes moved (t read twice -- statistics and operands -- plus the operands written), per
-    statistics-pass variant (STATS_VARIANTS; None = the defaults).
+    statistics-pass variant (`variants`, by default STATS_VARIANTS; None = the defaults).
     bench-50m's NVFP4 step spent 7.5 ms in operand kernels and 2.7 ms in the statistics pass (session 31)."""
     from hf_fp4.kernels import operand as operand_module
     from hf_fp4.nn.operands import LinearPlan
@@ -835,7 +839,7 @@ def model_operands(dev: str, model: str, presets: list[str]) -> None:
             signs = tuple(hf_fp4.seeded_signs(p.hadamard, 0).to(dev) if p is not None and p.signed else None
                           for p in plans)
             print(f"| {name} {tensor} [tokens, C] | copy ms | " + " | ".join(
-                "default" if t is None else f"stats {t[0]}x{t[1]}w{t[2]} / {n}" for t, n in STATS_VARIANTS) + " |")
+                "default" if t is None else f"stats {t[0]}x{t[1]}w{t[2]} / {n}" for t, n in variants) + " |")
             for c in widths:
                 t = torch.randn(tokens, c, device=dev, dtype=torch.bfloat16)
                 copy = graph_ms(lambda: t.clone())
@@ -843,7 +847,7 @@ def model_operands(dev: str, model: str, presets: list[str]) -> None:
                 moved = 2 * t.numel() * t.element_size() + sum(o.data.numel() * o.data.element_size()
                                                                for o in ops if o is not None)
                 row = [f"{tokens}x{c}", f"{copy:.4f}"]
-                for tile, programs in STATS_VARIANTS:
+                for tile, programs in variants:
                     operand_module.STATS_TILE, operand_module.STATS_PROGRAMS = (tile or default[0],
                                                                                 programs or default[1])
                     operand_module._launch_config.cache_clear()
