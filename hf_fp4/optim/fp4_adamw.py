@@ -137,13 +137,17 @@ class FP4AdamW(torch.optim.Optimizer):
                     self._store(state, "v", zeros)
                 else:
                     state["m"], state["v"] = zeros, zeros.clone()
-            state["step"] += 1
-            scalars = _scalars(group, float(state["step"]))
+        if walk:  # every step counter (CPU tensors) in one call
+            torch._foreach_add_([self.state[p]["step"] for _, p in walk], 1)
+        for group, p in walk:
+            state = self.state[p]
+            t = float(state["step"])
+            scalars = _scalars(group, t)
             if self.quantized(p) and self._fused_ready(p):
-                fused.setdefault((id(group), float(state["step"]), p.dtype, p.device), (scalars, []))[1].append(p)
+                fused.setdefault((id(group), t, p.dtype, p.device), (scalars, []))[1].append(p)
                 continue
             if not self.quantized(p) and _flat_ready(p, walk[0][1].device):
-                small.setdefault((id(group), float(state["step"])), (scalars, []))[1].append(p)
+                small.setdefault((id(group), t), (scalars, []))[1].append(p)
                 continue
             m, v = self.moments(p)
             m, v, master = _update(m, v, p.grad.float(), p.float(), scalars)

@@ -180,7 +180,8 @@ def triton_fp4_adamw_steps(batch: list[tuple], spec: QuantSpec, tables: tuple, s
     n = len(batch)
     two_level = spec.scale is ScaleRule.UE4M3_FP32
     new_ts = torch.empty(n, 2, dtype=torch.float32, device=dev) if two_level else None
-    out = [(new_ts[i, 0], new_ts[i, 1]) if two_level else (m["tensor_scale"], v["tensor_scale"])
+    views = new_ts.view(-1).unbind() if two_level else None  # 2n 0-d views in one call
+    out = [(views[2 * i], views[2 * i + 1]) if two_level else (m["tensor_scale"], v["tensor_scale"])
            for i, (_, _, m, v) in enumerate(batch)]
     pointers, sizes = [], []
     for (p, g, m, v), (m_ts, v_ts) in zip(batch, out):
