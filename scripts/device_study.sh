@@ -56,6 +56,7 @@ mkdir -p "$OUT" "$ROOT"
 # the study process, matched from the start of its command line: the call's own shell holds this script's whole
 # command, and an unanchored "prepare-only" matched it (session 20: start waited on itself until the call's limit)
 STUDY_PROCESS="^python3 -P -m hf_fp4 study"
+PREP_PROCESS="$STUDY_PROCESS .*--prepare-only"
 if [ "$what" = prep ] || [ "$what" = start ]; then
   STUDY=${STUDY:?STUDY=configs/study/<name>.yaml}
   name=$(python3 -c "import yaml,sys; print(yaml.safe_load(open('$STUDY'))['name'])")
@@ -82,9 +83,9 @@ fi
 # LIMIT - 25 s ran past the call's limit and no file came back)
 deadline=$((SECONDS + ${WAIT:-540}))
 if [ "$what" = start ]; then
-  while [ $SECONDS -lt $deadline ] && pgrep -f "$STUDY_PROCESS .*--prepare-only" > /dev/null; do sleep 5; done
+  while [ $SECONDS -lt $deadline ] && pgrep -f "$PREP_PROCESS" > /dev/null; do sleep 5; done
   [ -f "$ROOT/prep.log" ] && tail -3 "$ROOT/prep.log"
-  if pgrep -f "$STUDY_PROCESS .*--prepare-only" > /dev/null; then
+  if pgrep -f "$PREP_PROCESS" > /dev/null; then
     echo "the corpus preparation is still running at WAIT: start again in the next call"
   else
     date -u +"%F %T start" > "$ROOT/study.log"

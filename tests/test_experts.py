@@ -115,7 +115,8 @@ def test_experts_layer_equals_per_expert_fp4_linears(arch, recipe, backend):
     state.backend = backend
     gemm_variant(model, variant)
     assert model.config._experts_implementation == "hf_fp4"
-    assert state.recipe == preset(*recipe_options(recipe)[:1], **recipe_options(recipe)[1]).linear
+    preset_name, options = recipe_options(recipe)
+    assert state.recipe == preset(preset_name, **options).linear
     layers = per_expert_layers(module, state)
     for pair in layers:
         for lin in pair:

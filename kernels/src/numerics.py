@@ -338,15 +338,8 @@ def rand4x(seed, offset):
         c1, c3 = lo_b, lo_a
         k0 = tl.add(k0, 0x9E3779B9, sanitize_overflow=False)
         k1 = tl.add(k1, 0xBB67AE85, sanitize_overflow=False)
-    return _uniform(c0), _uniform(c1), _uniform(c2), _uniform(c3)
-
-
-@triton.jit
-def _uniform(x):
-    """A uint32 word -> [0, 1) FP32, as triton.language.random.uint_to_uniform_float."""
-    x = x.to(tl.int32, bitcast=True)
-    x = tl.where(x < 0, -x - 1, x)
-    return x * 4.6566127342e-10
+    return (tl.uint_to_uniform_float(c0), tl.uint_to_uniform_float(c1), tl.uint_to_uniform_float(c2),
+            tl.uint_to_uniform_float(c3))
 
 
 @triton.jit

@@ -19,6 +19,8 @@ decay passed as the FP32 scalars PyTorch makes of them.  Quantization is `quant.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -81,12 +83,13 @@ def _moment(codes_ptr, scales_ptr, ts_ptr, values_ptr, factors_ptr, pid_m, pid_k
 #: Per parameter of a launch: its addresses (the int64 pointer table's columns) and sizes (the size table's).
 POINTERS = ("p", "g", "m_codes", "m_scales", "m_ts", "v_codes", "v_scales", "v_ts", "m_ts_out", "v_ts_out")
 SIZES = ("M", "K", "MP", "KP", "stride_p", "stride_g")
+_NP, _NS = tl.constexpr(len(POINTERS)), tl.constexpr(len(SIZES))
 
 
 @triton.jit
 def _address(table, i, column: tl.constexpr, dtype: tl.constexpr):
     """Parameter i's pointer in `column` of the launch's pointer table (POINTERS), as a pointer to dtype."""
-    return tl.load(table + i * 10 + column).to(tl.pointer_type(dtype))
+    return tl.load(table + i * _NP + column).to(tl.pointer_type(dtype))
 
 
 @triton.jit
@@ -100,9 +103,9 @@ def _fp4_adamw_kernel(tiles_ptr, ptrs_ptr, sizes_ptr, values_ptr, factors_ptr, s
     i = tl.load(tiles_ptr + 3 * tl.program_id(0))
     pid_m = tl.load(tiles_ptr + 3 * tl.program_id(0) + 1)
     pid_k = tl.load(tiles_ptr + 3 * tl.program_id(0) + 2)
-    M, K = tl.load(sizes_ptr + 6 * i), tl.load(sizes_ptr + 6 * i + 1)
-    MP, KP = tl.load(sizes_ptr + 6 * i + 2), tl.load(sizes_ptr + 6 * i + 3)
-    stride_p, stride_g = tl.load(sizes_ptr + 6 * i + 4), tl.load(sizes_ptr + 6 * i + 5)
+    M, K = tl.load(sizes_ptr + _NS * i), tl.load(sizes_ptr + _NS * i + 1)
+    MP, KP = tl.load(sizes_ptr + _NS * i + 2), tl.load(sizes_ptr + _NS * i + 3)
+    stride_p, stride_g = tl.load(sizes_ptr + _NS * i + 4), tl.load(sizes_ptr + _NS * i + 5)
     if P_BF16:
         p_ptr, g_ptr = _address(ptrs_ptr, i, 0, tl.bfloat16), _address(ptrs_ptr, i, 1, tl.bfloat16)
     else:
@@ -183,15 +186,16 @@ def triton_fp4_adamw_steps(batch: list[tuple], spec: QuantSpec, tables: tuple, s
     views = new_ts.view(-1).unbind() if two_level else None  # 2n 0-d views in one call
     out = [(views[2 * i], views[2 * i + 1]) if two_level else (m["tensor_scale"], v["tensor_scale"])
            for i, (_, _, m, v) in enumerate(batch)]
-    pointers, sizes = [], []
-    for (p, g, m, v), (m_ts, v_ts) in zip(batch, out):
+    pointers, sizes, padded = [], [], []
+    for (p, g, m, v), (m_ts, v_ts) in zip(batch, out):  # in POINTERS' and SIZES' orders
         pointers += [t.data_ptr() for t in (p, g, m["codes"], m["scales"], m["tensor_scale"], v["codes"],
                                             v["scales"], v["tensor_scale"], m_ts, v_ts)]
-        sizes += [*p.shape, m["codes"].shape[0], m["codes"].shape[1] * 2, p.stride(0), g.stride(0)]
+        padded.append((m["codes"].shape[0], m["codes"].shape[1] * 2))
+        sizes += [*p.shape, *padded[-1], p.stride(0), g.stride(0)]
     # small copies from pageable host memory: the driver stages them before the call returns (the host lists may go)
     ptrs = torch.tensor(pointers, dtype=torch.int64).to(dev, non_blocking=True)
     sizes_t = torch.tensor(sizes, dtype=torch.int64).to(dev, non_blocking=True)
-    tiles = _tile_table(tuple((sizes[6 * i + 2], sizes[6 * i + 3]) for i in range(n)), bm, bk, dev)
+    tiles = _tile_table(tuple(padded), bm, bk, dev)
     stat = torch.zeros(n, 2, dtype=torch.float32, device=dev)
     consts = grid_constants(spec.grid)
     for pass_ in (0, 1):
@@ -203,15 +207,10 @@ def triton_fp4_adamw_steps(batch: list[tuple], spec: QuantSpec, tables: tuple, s
     return out
 
 
-_TILES: dict = {}
-
-
+@functools.lru_cache(maxsize=None)
 def _tile_table(padded: tuple[tuple[int, int], ...], bm: int, bk: int, device: torch.device) -> torch.Tensor:
     """[tiles, 3] int32 (parameter, tile row, tile column) of every tile of the padded states [MP, KP], parameter
     by parameter -- built once per list of shapes and device (a model steps the same parameters every step)."""
-    key = (padded, bm, bk, str(device))
-    if key not in _TILES:
-        rows = [(i, tm, tk) for i, (mp, kp) in enumerate(padded)
-                for tm in range(triton.cdiv(mp, bm)) for tk in range(triton.cdiv(kp, bk))]
-        _TILES[key] = torch.tensor(rows, dtype=torch.int32).to(device)
-    return _TILES[key]
+    rows = [(i, tm, tk) for i, (mp, kp) in enumerate(padded)
+            for tm in range(triton.cdiv(mp, bm)) for tk in range(triton.cdiv(kp, bk))]
+    return torch.tensor(rows, dtype=torch.int32).to(device)
