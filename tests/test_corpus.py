@@ -109,3 +109,24 @@ def test_the_tokenizer_of_a_large_corpus_trains_on_a_deterministic_sample():
 def test_an_unknown_builtin_dataset_lists_the_valid_ones(tmp_path):
     with pytest.raises(ValueError, match="dataset='builtin-huge': valid values are builtin, builtin-large"):
         TrainConfig.from_dict({"dataset": "builtin-huge", "output_dir": str(tmp_path)})
+
+
+def test_the_html_pages_come_out_in_their_order_from_every_core():
+    """ordered_map (the documentation pages parsed on every core): the texts of map(), in order -- the pages are
+    largest first, so that a worker's later, smaller chunk finishes before an earlier one."""
+    pages = [PAGE.replace("easy", f"easy {i} " + "word " * (4000 - 100 * i)).encode() for i in range(40)]
+    got = list(corpus.ordered_map(corpus._page_text, iter(pages), chunksize=2))
+    assert got == [corpus._page_text(p) for p in pages]
+    assert [int(t.split("easy ")[1].split()[0]) for t in got] == list(range(40))
+
+
+def test_the_code_part_takes_regular_files_and_enters_no_linked_folder(debs):
+    _, code = debs
+    (code / "pkg" / "link.py").symlink_to(code / "pkg" / "a.py")
+    (code / "linked").symlink_to(code / "pkg", target_is_directory=True)
+    (code / "pkg" / "sub").mkdir()
+    (code / "pkg" / "sub" / ".hidden.py").write_text("z = 3\n")
+    corpus.code_files.cache_clear()
+    assert [doc_id for doc_id, _ in corpus.code_files()] == [
+        "site-packages/pkg/README.md", "site-packages/pkg/a.py", "site-packages/pkg/copy_of_a.py",
+        "site-packages/pkg/sub/.hidden.py"]
