@@ -323,7 +323,8 @@ def rand4x(seed, offset):
     hf_fp4.numerics.philox) -- with each round's hi and lo products of a counter word as one 32 x 32 -> 64-bit
     multiply: on sm_90 one IMAD.WIDE.U32 where Triton's umulhi + mul compile to two multiplies (8 draws a thread:
     371 SASS instructions against 504 with Triton 3.6, 378 against 510 with 3.9; SR's operands draw per 4
-    elements)."""
+    elements).  Timed on an H100 (session 34, benchmarks/gpu/operands-philox-ab-2026-12-07-session34.txt):
+    bench-50m's SR dy pairs 1.4-3.9% faster than with tl.rand4x."""
     seed = seed.to(tl.uint64)
     k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
     k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
