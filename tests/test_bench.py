@@ -60,9 +60,8 @@ def test_bench_rejects_unknown_parts_and_impls_before_running(tmp_path, monkeypa
         assert exit_.value.code == 2 and message in capsys.readouterr().err
         assert not list(tmp_path.glob("results-*"))
     run = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "--quick", "--out", str(tmp_path),
-                          "--parts", "linear", "--impls",
-                          "bf16,torchao_fp8_rowwise:compiled"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=300)
+                          "--parts", "linear", "--impls", "bf16,torchao_fp8_rowwise:compiled"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "not a linear impl, skipped there: torchao_fp8_rowwise:compiled" in run.stderr
 
