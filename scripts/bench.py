@@ -610,9 +610,19 @@ def sdpa_flash(q, k, v, **options):
         return nn.functional.scaled_dot_product_attention(q, k, v, **options)
 
 
-def attention_inputs(dev, quick, t):
-    """((batch, heads, key heads, head_dim), (q, k, v)): the attention parts' bf16 inputs of T tokens, seeded."""
-    b, h, hkv, d = (1, 4, 2, 32) if quick else (1, 32, 8, 128)
+def bench50m_attention() -> tuple[int, int, int, int, int]:
+    """(batch, heads, key heads, head_dim, T) of one attention call in configs/bench-50m.yaml's train step (the
+    study's model: B16 H10 / 5 T1024 D64)."""
+    model, cfg = bench50m_model()
+    heads = int(model["num_attention_heads"])
+    return (int(cfg["batch_size"]), heads, int(model.get("num_key_value_heads", heads)),
+            int(model["hidden_size"]) // heads, int(cfg["seq_len"]))
+
+
+def attention_inputs(dev, quick, t, shape=None):
+    """((batch, heads, key heads, head_dim), (q, k, v)): the attention parts' bf16 inputs of T tokens, seeded;
+    shape: (batch, heads, key heads, head_dim) instead of the part's default."""
+    b, h, hkv, d = shape or ((1, 4, 2, 32) if quick else (1, 32, 8, 128))
     g = torch.Generator(device=dev).manual_seed(0)
     return (b, h, hkv, d), tuple(torch.randn(b, n, t, d, device=dev, dtype=torch.bfloat16, generator=g)
                                  for n in (h, hkv, hkv))
@@ -622,15 +632,24 @@ def attention_inputs(dev, quick, t):
 ATTENTION_IMPLS = ("sdpa", "sdpa:flash", "hf_fp4:nvfp4:reference", "hf_fp4:nvfp4:triton")
 
 
-def bench_attention(dev, quick, results, names=None):
+def bench_attention(dev, quick, results, names=None, model_shape=False):
     """FP4 attention (issue 12) against PyTorch's SDPA (bf16, causal, GQA): forward and forward + backward ms,
     peak memory.  Two SDPA rows: `sdpa` is the default dispatch (its backend recorded), `sdpa:flash` the flash
     backend alone (issue 12's yardstick).  hf_fp4 runs nvfp4 Q/K/V/dS with the reference or the Triton flash
-    kernels.  names: the rows to run (--impls), all by default."""
+    kernels.  names: the rows to run (--impls), all by default.  model_shape (part attention50m): one attention
+    call of bench-50m's train step (bench50m_attention) instead of the issue's B1 H32 T4096 D128, without the
+    memory-by-T table (the fullstack study run trained at 99k tokens/s against nvfp4 with LoRA-SVD's 342k: this
+    times the attention at the shape that run had)."""
     from hf_fp4.nn.attention import fp4_attention
 
-    t = 64 if quick else 4096
-    (b, h, hkv, d), (q, k, v) = attention_inputs(dev, quick, t)
+    shape = None
+    if model_shape:
+        *shape, t = bench50m_attention()
+        if quick:  # the model's heads, fewer rows and tokens
+            shape[0], t = 1, 64
+    else:
+        t = 64 if quick else 4096
+    (b, h, hkv, d), (q, k, v) = attention_inputs(dev, quick, t, shape)
     default_backend = sdpa_backend(q, k, v, is_causal=True, enable_gqa=True)
     impls = {"sdpa": lambda q, k, v: nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
                                                                                  enable_gqa=True),
@@ -673,10 +692,13 @@ def bench_attention(dev, quick, results, names=None):
         if name == "sdpa":
             row[0] = f"sdpa (default: {default_backend})"
         rows.append(row)
-    text = md_table(f"Attention, B{b} H{h} (GQA {hkv}) T{t} D{d}, causal, bf16 inputs (ms waited for; ms of one "
-                    "step captured in a CUDA graph, replayed: GPU time alone; peak GiB)",
+    text = md_table(f"Attention, {'bench-50m, ' if model_shape else ''}B{b} H{h} (GQA {hkv}) T{t} D{d}, causal, bf16 "
+                    "inputs (ms waited for; ms of one step captured in a CUDA graph, replayed: GPU time alone; "
+                    "peak GiB)",
                     ["impl", "fwd ms", "fwd captured", "fwd GiB", "fwd+bwd ms", "fwd+bwd captured", "fwd+bwd GiB"],
                     rows)
+    if model_shape:
+        return text
     return text + attention_memory(dev, quick, {n: f for n, f in impls.items() if not n.endswith(":reference")},
                                    results)
 
@@ -905,7 +927,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parts", default="quant,linear,e2e",
                         help="comma list of quant, linear, linear_spread (inputs with a trained model's spread of "
-                             "magnitudes), e2e, e2e50m, attention, moe, sharq, optim")
+                             "magnitudes), e2e, e2e50m, attention, attention50m (bench-50m's attention call), moe, sharq, optim")
     parser.add_argument("--quick", action="store_true", help="tiny sizes (a CPU smoke test of the script)")
     parser.add_argument("--out", default="benchmarks", help="folder for results-<date>.{json,md}")
     parser.add_argument("--impls", default=None, help="comma list restricting the linear / e2e impls")
@@ -986,6 +1008,10 @@ def main():
         names = [n for n in (args.impls or "").split(",") if n in ATTENTION_IMPLS]
         text.append(bench_attention(dev, args.quick, results, names or None))
         write(results, stem, "\n".join(text))
+    if "attention50m" in parts:
+        names = [n for n in (args.impls or "").split(",") if n in ATTENTION_IMPLS]
+        text.append(bench_attention(dev, args.quick, results, names or None, model_shape=True))
+        write(results, stem, "\n".join(text))
     if "sharq" in parts:
         text.append(bench_sharq(dev, args.quick, results))
         write(results, stem, "\n".join(text))
@@ -998,7 +1024,7 @@ def main():
     write(results, stem, "\n".join(text))
 
 
-PARTS = ("quant", "linear", "linear_spread", "e2e", "e2e50m", "attention", "moe", "sharq", "optim")
+PARTS = ("quant", "linear", "linear_spread", "e2e", "e2e50m", "attention", "attention50m", "moe", "sharq", "optim")
 
 
 def merge(paths):

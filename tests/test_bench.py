@@ -13,7 +13,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.mark.slow
 def test_bench_quick_parts_write_every_row(tmp_path):
-    cmd = [sys.executable, str(ROOT / "scripts" / "bench.py"), "--quick", "--parts", "linear,attention,moe,sharq,optim",
+    cmd = [sys.executable, str(ROOT / "scripts" / "bench.py"), "--quick", "--parts",
+           "linear,attention,attention50m,moe,sharq,optim",
            "--impls", "bf16,hf_fp4:nvfp4,hf_fp4:mxfp4+bf16gemm,emulation_compiled", "--out", str(tmp_path)]
     env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
     subprocess.run(cmd, check=True, cwd=ROOT, env=env, capture_output=True, timeout=600)
@@ -23,7 +24,11 @@ def test_bench_quick_parts_write_every_row(tmp_path):
     assert {r["impl"] for r in results["linear"]} == linear
     attention = {"sdpa", "sdpa:flash", "hf_fp4:nvfp4:reference"} | (
         {"hf_fp4:nvfp4:triton"} if torch.cuda.is_available() else set())
-    assert {r["impl"] for r in results["attention"]} == attention  # (no Triton on a CPU without its interpreter)
+    # (no Triton on a CPU without its interpreter); each impl at the shape and at bench-50m's heads
+    shapes = {r["shape"] for r in results["attention"]}
+    assert shapes == {"B1 H4/2 T64 D32", "B1 H10/5 T64 D64"}
+    for shape in shapes:
+        assert {r["impl"] for r in results["attention"] if r["shape"] == shape} == attention
     # the default dispatch's backend is recorded (PyTorch may prefer cuDNN's kernels to the flash backend)
     assert {r.get("backend") for r in results["attention"] if r["impl"] == "sdpa"} <= {
         "flash_attention", "cudnn_attention", "efficient_attention", "math", "overrideable"}
