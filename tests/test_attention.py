@@ -336,6 +336,38 @@ def test_each_backward_phase_runs_on_a_tile_of_its_own(tensor_cores):
         flash_backward(*args, out, do.to(dev), None, D ** -0.5, spec, 9, decodes, {4: (16, 16)}, causal=True, lse=lse)
 
 
+@pytest.mark.parametrize("backend,compiled", [("reference", False), ("reference", True), ("triton", False)])
+def test_under_autocast_fp4_attention_computes_what_it_does_on_inputs_in_the_autocast_dtype(backend, compiled):
+    """As SDPA under autocast: q, k, v are cast to the autocast dtype -- a Llama's rotary embedding hands attention
+    FP32 q, k and BF16 v under BF16 autocast, and the FP32 output that followed sent the flash backward to its IEEE
+    path (the fullstack study run at 99k tokens/s, session 35) -- and inside the ops autocast is off (its BF16
+    matmuls would change the reference's FP32 S).  Output (BF16) and gradients equal the call on BF16 inputs
+    outside autocast bit for bit, compiled (fullgraph) or not; the Triton kernels in the interpreter on the CPU."""
+    import torch._dynamo
+
+    dev = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+    q, k, v = (t.detach().to(dev) for t in qkv(11, torch.float32))
+    v = v.bfloat16()
+    d_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(12)).bfloat16().to(dev)
+
+    def attend(q, k, v, autocast):
+        with torch.autocast(dev, dtype=torch.bfloat16, enabled=autocast):
+            return fp4_attention(q, k, v, recipe="nvfp4", backend=backend, causal=True)
+
+    torch._dynamo.reset()
+    run = torch.compile(attend, fullgraph=True, backend="aot_eager") if compiled else attend
+    mixed = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = run(*mixed, True)
+    out.backward(d_out)
+    cast = [t.bfloat16().requires_grad_() for t in (q, k, v)]
+    want = attend(*cast, False)
+    want.backward(d_out)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, want)
+    for name, got, ref in zip("qkv", mixed, cast):
+        assert got.grad.dtype == got.dtype and torch.equal(got.grad, ref.grad.to(got.dtype)), name
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fp4_attention_on_the_triton_backend_matches_the_reference(dtype):
     """fp4_attention(backend="triton"): the flash kernels' output and gradients match the reference path's

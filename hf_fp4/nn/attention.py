@@ -26,6 +26,12 @@ quantized in registers exactly as quantize_rows would quantize the kernel's own 
 one pair of opaque custom ops (`hf_fp4::attention`, `hf_fp4::attention_backward`), so torch.compile keeps a call in
 its graph (no graph break); the flash path of a round-to-nearest recipe reads nothing on the host and runs under
 CUDA graphs (hf_fp4.nn.compile.graph_safe).
+
+Under autocast it does what SDPA does there: q, k and v are cast to the autocast dtype first, and the output is in
+that dtype (`fp4_attention`); inside the ops autocast is off, so the reference computes in FP32 as written above.
+Session 35: a Llama's rotary embedding hands attention FP32 q and k under BF16 autocast (cos / sin follow the FP32
+hidden states) and BF16 v; without the cast O came out in FP32, so dO did too, and the flash backward ran its IEEE
+FP32 path on the CUDA cores -- the fullstack study run trained at 99k tokens/s against 342k without FP4 attention.
 """
 from __future__ import annotations
 
@@ -258,7 +264,8 @@ def _own(t: torch.Tensor, *others: torch.Tensor) -> torch.Tensor:
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: Optional[torch.Tensor], scale: float,
                   recipe: str, seed: int, backend: str, causal: bool
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    out, (qh, kh, vh, decodes, lse) = _forward(q, k, v, keep, scale, _recipe_of(recipe), seed, backend, causal)
+    with torch.autocast(q.device.type, enabled=False):  # the reference's FP32 products, whatever the caller's autocast
+        out, (qh, kh, vh, decodes, lse) = _forward(q, k, v, keep, scale, _recipe_of(recipe), seed, backend, causal)
     saved = []
     for t in (qh, kh, vh):  # (K^ and V^ are one tensor where both are K itself, unquantized)
         saved.append(_own(t, q, k, v, *saved))
@@ -281,9 +288,10 @@ def _attention_backward_op(d_out: torch.Tensor, qh: torch.Tensor, kh: torch.Tens
                            scale: float, recipe: str, seed: int, backend: str, causal: bool, q_dtype: torch.dtype,
                            k_dtype: torch.dtype, v_dtype: torch.dtype
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _backward(d_out.contiguous(), qh, kh, vh, out, keep, decodes if decodes.numel() else None,
-                     lse if lse.numel() else None, scale, _recipe_of(recipe), seed, backend, causal,
-                     (q_dtype, k_dtype, v_dtype))
+    with torch.autocast(qh.device.type, enabled=False):  # (as the forward op)
+        return _backward(d_out.contiguous(), qh, kh, vh, out, keep, decodes if decodes.numel() else None,
+                         lse if lse.numel() else None, scale, _recipe_of(recipe), seed, backend, causal,
+                         (q_dtype, k_dtype, v_dtype))
 
 
 @_attention_backward_op.register_fake
@@ -325,7 +333,9 @@ def fp4_attention(q, k, v, keep=None, scale: float | None = None, recipe: "Atten
     (True: attend) broadcastable to [B, H, Tq, Tk], or None (no mask); causal: also key <= query (the flash
     kernels compute it and skip the tiles above the diagonal; keep=tril within FP32 summation order).  backend
     "triton": the flash kernels (hf_fp4.kernels.attention; equal to the reference within the BF16 rounding of P
-    and FP32 arithmetic); "auto": the kernels on CUDA, the reference elsewhere (a model's default)."""
+    and FP32 arithmetic); "auto": the kernels on CUDA, the reference elsewhere (a model's default).  Under autocast
+    q, k and v are first cast to its dtype, as SDPA's autocast rule casts them (the output is in that dtype, so
+    the flash backward takes a BF16 dO on the tensor cores)."""
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"fp4_attention: unknown backend {backend!r}; valid: {', '.join(ATTENTION_BACKENDS)}")
     if backend == "auto":
@@ -335,6 +345,9 @@ def fp4_attention(q, k, v, keep=None, scale: float | None = None, recipe: "Atten
     if v.shape[1] != k.shape[1]:
         raise ValueError(f"fp4_attention: k has {k.shape[1]} heads, v {v.shape[1]}")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if torch.is_autocast_enabled(q.device.type):
+        dtype = torch.get_autocast_dtype(q.device.type)
+        q, k, v = (t.to(dtype) for t in (q, k, v))
     if isinstance(recipe, str):  # a preset name or recipe_key's JSON: no recipe built under torch.compile
         key = recipe if recipe.startswith("{") else _preset_key(recipe)
     else:
