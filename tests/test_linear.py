@@ -115,6 +115,31 @@ def test_under_autocast_the_gradients_are_nn_linears():
     assert torch.equal(q, fake_quantize(x.to(dev).bfloat16().float(), spec))
 
 
+@pytest.mark.parametrize("name,backend", [("nvfp4", "reference"), ("ufp4", "reference"), ("mxfp4", "reference"),
+                                          ("nvfp4", "triton"), ("ufp4", "triton")])
+def test_under_autocast_a_layer_computes_what_it_does_on_the_cast_input(name, backend):
+    """Under BF16 autocast, y, dx and dW equal the same layer's (a fresh copy: the same SR step) on x cast to BF16
+    outside autocast, bit for bit: autocast changes what enters the GEMMs (x in BF16, as nn.Linear), never how they
+    compute -- its BF16 matmul rounded the reference's FP32 operands of the two-level formats (NVFP4 / UFP4 outputs
+    one ulp off, session 35).  The Triton backend in the interpreter on the CPU."""
+    import copy
+
+    dev = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+    _, layer = make_layer(name, seed=4)
+    layer = layer.to(dev)
+    layer.backend = backend
+    twin = copy.deepcopy(layer)
+    x, dy = (t.to(dev) for t in inputs(5))
+    xa, xb = x.clone().requires_grad_(), x.bfloat16().requires_grad_()
+    with torch.autocast(dev, dtype=torch.bfloat16):
+        ya = layer(xa)
+    yb = twin(xb)
+    ya.backward(dy.bfloat16())
+    yb.backward(dy.bfloat16())
+    assert ya.dtype == yb.dtype == torch.bfloat16 and torch.equal(ya, yb)
+    assert torch.equal(xa.grad, xb.grad.float()) and torch.equal(layer.weight.grad, twin.weight.grad)
+
+
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_every_operand_is_quantized_as_the_table_says(name):
     _, layer = make_layer(name, seed=3)

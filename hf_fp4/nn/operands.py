@@ -293,7 +293,16 @@ def _(a, b, a_scale, b_scale):
 def gemm(a: Operand, b: Operand, plans: tuple[OperandPlan, OperandPlan], m: int, n: int,
          out_dtype: torch.dtype, triton_ops: bool = True) -> torch.Tensor:
     """a [M, K] @ b [N, K]^T -> [M, N] in out_dtype, by the form both plans share (the FP8 GEMM through its custom
-    op while a compiler traces the call, else its implementation called directly)."""
+    op while a compiler traces the call, else its implementation called directly).  Autocast is off inside: the
+    layer has cast its activations already (as nn.Linear), and autocast's BF16 matmul would round the FP32 form's
+    operands and the BF16 form's product before its tensor scales (session 35: NVFP4 / UFP4 outputs one BF16 ulp
+    off on the CPU under autocast)."""
+    with torch.autocast(a.data.device.type, enabled=False):
+        return _gemm(a, b, plans, m, n, out_dtype, triton_ops)
+
+
+def _gemm(a: Operand, b: Operand, plans: tuple[OperandPlan, OperandPlan], m: int, n: int,
+          out_dtype: torch.dtype, triton_ops: bool) -> torch.Tensor:
     form = plans[0].form
     if form == "hp":
         return (a.data @ b.data.t().to(a.data.dtype)).to(out_dtype)
