@@ -13,6 +13,8 @@
 #   its since-fixed slow correction) trained bf16 at 239k and
 #   nvfp4 at 150k tokens/s each -- bf16 alone benchmarks at ~812k: together they were slower than in turn)
 #   WAIT=580 bash scripts/device_study.sh watch          (next calls, each within the machine's idle window)
+#   bash scripts/device_study.sh stop                     (the study and its runs; unfinished runs resume next start
+#   on the same machine, from their last checkpoint)
 #   STUDY=... bash scripts/device_study.sh prep   [ONLY=...]  at the start of a call whose work is GPU-bound: the
 #   ~2 minutes of corpus tokenisation run on the machine's CPUs (niced, detached); start waits for it.  Not beside
 #   host-bound timings: in session 20 it slowed bench.py's eager and graph-tree linear rows (eager nvfp4 at 4096^2
@@ -57,6 +59,14 @@ mkdir -p "$OUT" "$ROOT"
 # command, and an unanchored "prepare-only" matched it (session 20: start waited on itself until the call's limit)
 STUDY_PROCESS="^python3 -P -m hf_fp4 study"
 PREP_PROCESS="$STUDY_PROCESS .*--prepare-only"
+if [ "$what" = stop ]; then  # the study and its runs (session 35: `pkill -f "hf_fp4 study"` matched the call's
+  # own shell, whose command line holds that text, and ended the call at once; these patterns are anchored)
+  pkill -f "$STUDY_PROCESS"
+  pkill -f "^[^ ]*python3? -m hf_fp4 pretrain "
+  sleep 3
+  pgrep -f "$STUDY_PROCESS" > /dev/null && echo "the study is still running" || echo "study stopped"
+  exit 0
+fi
 if [ "$what" = prep ] || [ "$what" = start ]; then
   STUDY=${STUDY:?STUDY=configs/study/<name>.yaml}
   name=$(python3 -c "import yaml,sys; print(yaml.safe_load(open('$STUDY'))['name'])")
