@@ -1,5 +1,6 @@
 """scripts/pretrain.py and the trainer: config validation, non-finite steps, SIGKILL + exact resume."""
 import json
+import math
 import os
 import signal
 import subprocess
@@ -109,6 +110,22 @@ def test_non_finite_steps_are_skipped_and_a_streak_aborts_with_a_checkpoint(corp
     with pytest.raises(RuntimeError, match="3 non-finite steps in a row"):
         trainer.train(cfg)
     assert (tmp_path / "b" / "checkpoints" / "step_4" / "COMPLETE.json").exists()
+
+
+def test_gradient_accumulation_trains_and_logs_as_the_whole_batch(corpus_files, tmp_path):
+    """grad_accum 2 x batch 2 against grad_accum 1 x batch 4 (the same windows, in the same order): the logged loss
+    is the mean of the micro-steps' losses -- the whole batch's -- and the updates are the whole batch's, so every
+    step agrees up to summation order (bf16 recipe: FP32 on the CPU)."""
+    runs = {}
+    for accum, batch in ((1, 4), (2, 2)):
+        out = tmp_path / f"a{accum}"
+        trainer.train(TrainConfig.from_dict(tiny_cfg(corpus_files, out, recipe="bf16", max_steps=5, eval_every=100,
+                                                     checkpoint_every=100, batch_size=batch, grad_accum=accum)))
+        runs[accum] = losses(out)
+    assert [s for s, _ in runs[2]] == [s for s, _ in runs[1]] == list(range(1, 6))
+    assert [v for _, v in runs[2]] == pytest.approx([v for _, v in runs[1]], rel=1e-5)
+    # and the first is the fresh model's loss, near ln(vocab) (the logits start near 0): a mean, not a sum
+    assert runs[1][0][1] == pytest.approx(math.log(300), rel=0.05)
 
 
 def test_bad_steps_that_are_not_consecutive_never_abort(corpus_files, tmp_path, monkeypatch):

@@ -149,6 +149,14 @@ def compute_loss(model, tokens: torch.Tensor) -> torch.Tensor:
                                              tokens[:, 1:].reshape(-1))
 
 
+def to_device(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CPU batch on `device`: to a GPU from pinned memory without blocking -- a copy from pageable memory first
+    waits for the stream, so the host could not queue the next forward while the optimizer step still ran."""
+    if device.type == "cuda":
+        return batch.pin_memory().to(device, non_blocking=True)
+    return batch.to(device)
+
+
 def _forward_backward(accelerator, model, tokens) -> None:
     with accelerator.autocast():
         loss = compute_loss(model, tokens)
@@ -431,21 +439,33 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> di
                               "(precision_schedule)")
         t0 = time.perf_counter()
         loss_sum, finite, reason = 0.0, True, ""
+        losses, batches = [], []
         for micro in range(cfg.grad_accum):
-            tokens = train_windows.batch(state.position + rank * cfg.batch_size, cfg.batch_size).to(accelerator.device)
+            tokens = to_device(train_windows.batch(state.position + rank * cfg.batch_size, cfg.batch_size),
+                               accelerator.device)
             state.position += cfg.batch_size * world
+            batches.append(tokens)
             sync = accelerator.no_sync(model) if micro < cfg.grad_accum - 1 else _nullcontext()
             with sync:
+                loss = None
                 try:
                     with accelerator.autocast():
                         loss = compute_loss(model, tokens)
-                    if not torch.isfinite(loss):
-                        raise NonFiniteError(f"loss is {loss.item()}")
                     accelerator.backward(loss / cfg.grad_accum)
-                except NonFiniteError as err:
-                    finite, reason = False, str(err)
+                except NonFiniteError as err:  # a quantizer of the reference path met a NaN / Inf: in the
+                    # backward of a non-finite loss, the loss is the cause to name
+                    value = loss.item() if loss is not None else 0.0
+                    finite, reason = False, f"loss is {value}" if not math.isfinite(value) else str(err)
                     break
-            loss_sum += loss.item() / cfg.grad_accum
+            losses.append(loss.detach())
+        if finite:  # the micro-steps' losses in one host read, once their backward passes are queued (session 35: a
+            # read between forward and backward left the GPU idle while the host launched the backward); a
+            # non-finite loss only costs its backward pass, whose gradients the skipped step never applies
+            for micro, value in enumerate(torch.stack(losses).float().tolist()):
+                if not math.isfinite(value):
+                    finite, reason, tokens = False, f"loss is {value}", batches[micro]  # (the rerun's batch)
+                    break
+                loss_sum += value / cfg.grad_accum
         if world > 1:  # the logged loss is the mean over ranks: the same number a single process logs
             stats = torch.tensor([loss_sum if finite else float("nan"), float(finite)], device=accelerator.device)
             stats = accelerator.reduce(stats, reduction="mean")
@@ -500,7 +520,9 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> di
             accelerator.log({k: v for k, v in record.items() if isinstance(v, (int, float)) and v is not None},
                             step=state.step)
         bar.update(1)
-        bar.set_postfix(loss=f"{loss_sum:.3f}" if finite else "skip", tok_s=f"{record['tokens_per_s']:.0f}")
+        # (no forced refresh: tqdm's mininterval decides, so a log file gets a line every 30 s, not one per step)
+        bar.set_postfix(loss=f"{loss_sum:.3f}" if finite else "skip", tok_s=f"{record['tokens_per_s']:.0f}",
+                        refresh=False)
         if state.bad_in_row >= cfg.max_bad_steps:
             save_checkpoint(accelerator, run_dir, state.step, cfg)
             raise RuntimeError(f"{state.bad_in_row} non-finite steps in a row (last: {reason}); "
