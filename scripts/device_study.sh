@@ -42,9 +42,12 @@ if [ "$what" = unpack ]; then
     else mkdir -p "$dest/interrupted"; rm -rf "$dest/interrupted/$r"; cp -r "$run" "$dest/interrupted/$r"; fi
   done
   mkdir -p "$dest/logs"
-  for log in "$tmp"/logs/*.log; do  # every 250th progress line and the last
-    tr '\r' '\n' < "$log" | awk '/^train: /{last=$0; if (++i % 250 == 0) print; next} {print} END{print last}' \
-      > "$dest/logs/$(basename "$log")"
+  for log in "$tmp"/logs/*.log; do  # about 25 progress lines and the last (a run of session 35's code and
+    # later writes one every 30 s -- all kept; earlier runs wrote one per step: every n-th)
+    n=$(tr '\r' '\n' < "$log" | grep -c '^train: ')
+    every=$(( n / 25 > 1 ? n / 25 : 1 ))
+    tr '\r' '\n' < "$log" | awk -v every="$every" '/^train: /{last=$0; if (++i % every == 0) print; next} {print}
+      END{if (i % every) print last}' > "$dest/logs/$(basename "$log")"
   done
   # the study process's own log (which runs started and finished), beside study.tgz in the call's files
   # (a second unpack on the same day gets its own file: the day's earlier log is never overwritten)
