@@ -457,7 +457,7 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> di
                     value = loss.item() if loss is not None else 0.0
                     finite, reason = False, f"loss is {value}" if not math.isfinite(value) else str(err)
                     break
-            losses.append(loss.detach())
+            losses.append(loss.detach().clone())  # (a copy: the next micro-step's replay may reuse a graph output)
         if finite:  # the micro-steps' losses in one host read, once their backward passes are queued (session 35: a
             # read between forward and backward left the GPU idle while the host launched the backward); a
             # non-finite loss only costs its backward pass, whose gradients the skipped step never applies
