@@ -927,7 +927,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parts", default="quant,linear,e2e",
                         help="comma list of quant, linear, linear_spread (inputs with a trained model's spread of "
-                             "magnitudes), e2e, e2e50m, attention, attention50m (bench-50m's attention call), moe, sharq, optim")
+                             "magnitudes), e2e, e2e50m, attention, attention50m (bench-50m's attention call), moe, "
+                             "sharq, optim")
     parser.add_argument("--quick", action="store_true", help="tiny sizes (a CPU smoke test of the script)")
     parser.add_argument("--out", default="benchmarks", help="folder for results-<date>.{json,md}")
     parser.add_argument("--impls", default=None, help="comma list restricting the linear / e2e impls")
@@ -1003,15 +1004,12 @@ def main():
         seq, batch = int(cfg["seq_len"]), int(cfg["batch_size"])
         text.append(bench_e2e(dev, "bench-50m", kwargs, batch, seq, sizes["steps"] * 2, results, e2e_names,
                               lambda: write(results, stem, render(results))))
-    if "attention" in parts:
-        # --impls restricts the attention rows when it names any of them (else it is about the other parts)
-        names = [n for n in (args.impls or "").split(",") if n in ATTENTION_IMPLS]
-        text.append(bench_attention(dev, args.quick, results, names or None))
-        write(results, stem, "\n".join(text))
-    if "attention50m" in parts:
-        names = [n for n in (args.impls or "").split(",") if n in ATTENTION_IMPLS]
-        text.append(bench_attention(dev, args.quick, results, names or None, model_shape=True))
-        write(results, stem, "\n".join(text))
+    # --impls restricts the attention rows when it names any of them (else it is about the other parts)
+    attention_names = [n for n in (args.impls or "").split(",") if n in ATTENTION_IMPLS] or None
+    for part, model_shape in (("attention", False), ("attention50m", True)):
+        if part in parts:
+            text.append(bench_attention(dev, args.quick, results, attention_names, model_shape=model_shape))
+            write(results, stem, "\n".join(text))
     if "sharq" in parts:
         text.append(bench_sharq(dev, args.quick, results))
         write(results, stem, "\n".join(text))
