@@ -312,27 +312,30 @@ def test_device_study_start_counts_its_wait_from_its_start_and_never_starts_over
 
 
 def test_device_study_stop_ends_the_study_and_its_runs_and_nothing_that_only_names_them(tmp_path):
-    """scripts/device_study.sh stop: the study process and a run's pretrain process end; a process whose command
-    line merely holds "hf_fp4 study" (as the call's own shell did when session 35 ended a call with an unanchored
-    pkill) is left alone."""
+    """scripts/device_study.sh stop: the study process and a run's pretrain process under its STUDY_ROOT end; a
+    process whose command line merely holds "hf_fp4 study" (as the call's own shell did when session 35 ended a call
+    with an unanchored pkill) is left alone, and so are another study's run and study (another root: the first
+    version of this test, unscoped, ended a study test's run on the other xdist worker)."""
     import os
     import subprocess
     import time
 
-    repo = CONFIGS.parent
-    names = {"study": "python3 -P -m hf_fp4 study configs/study/fake.yaml --out x",
-             "run": "/opt/venv/bin/python3 -m hf_fp4 pretrain --config x.yaml"}
+    repo, root, other = CONFIGS.parent, tmp_path / "root", tmp_path / "other"
+    names = {"study": f"python3 -P -m hf_fp4 study configs/study/fake.yaml --out {root}/study-fake --parallel 1",
+             "run": f"/opt/venv/bin/python3 -m hf_fp4 pretrain --config {root}/study-fake/configs/a-s0.yaml",
+             "other study": f"python3 -P -m hf_fp4 study configs/study/fake.yaml --out {other}/study-fake",
+             "other run": f"/opt/venv/bin/python -m hf_fp4 pretrain --config {other}/study-fake/configs/a-s0.yaml"}
     procs = {k: subprocess.Popen(["bash", "-c", f'exec -a "{v}" sleep 60']) for k, v in names.items()}
     procs["bystander"] = subprocess.Popen(["bash", "-c", "sleep 60; echo hf_fp4 study; hf_fp4 pretrain"])
     try:
         time.sleep(0.3)
-        env = {**os.environ, "STUDY_ROOT": str(tmp_path / "root"), "OUT": str(tmp_path / "out")}
+        env = {**os.environ, "STUDY_ROOT": str(root), "OUT": str(tmp_path / "out")}
         done = subprocess.run(["bash", "scripts/device_study.sh", "stop"], cwd=repo, env=env, capture_output=True,
                               text=True, timeout=30)
         assert done.returncode == 0 and "study stopped" in done.stdout, done.stdout + done.stderr
         for key in ("study", "run"):
             assert procs[key].wait(timeout=5) != 0  # ended by a signal
-        assert procs["bystander"].poll() is None
+        assert all(procs[key].poll() is None for key in ("bystander", "other study", "other run"))
     finally:
         for p in procs.values():
             p.kill()
