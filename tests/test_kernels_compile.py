@@ -8,12 +8,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+from hf_fp4.train.corpus import usable_cores
+
 
 def test_the_kernels_compile_for_hopper():
     """The variants in one shard per CPU core (at most 4), side by side: the compiles are single-threaded."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    shards = max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+    shards = max(1, min(4, usable_cores()))
     script = str(Path(__file__).with_name("hopper_compile.py"))
     procs = [subprocess.Popen([sys.executable, script, str(i), str(shards)], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for i in range(shards)]

@@ -146,11 +146,16 @@ def _page_text(raw: bytes) -> str:
     return html_text(raw.decode("utf-8", errors="replace"))
 
 
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask where the OS has one, else the machine's)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def ordered_map(fn, items: Iterator, chunksize: int = 8) -> Iterator:
     """fn over items in order, on every core of this machine where processes can fork (the corpus is the same
     document for document: only the order of the work changes), else here.  fn must be a module-level function.
     Python's documentation pages through html.parser: 7.3 -> 3.7 s on 2 cores."""
-    workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    workers = usable_cores()
     if workers < 2 or "fork" not in multiprocessing.get_all_start_methods():
         yield from map(fn, items)
         return
