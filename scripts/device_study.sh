@@ -65,10 +65,11 @@ PREP_PROCESS="$STUDY_PROCESS .*--prepare-only"
 if [ "$what" = stop ]; then  # the study and its runs under $ROOT (session 35: `pkill -f "hf_fp4 study"` matched the
   # call's own shell, whose command line holds that text, and ended the call at once; these patterns are anchored, and
   # name $ROOT: the study's --out and its runs' --config lie there)
-  pkill -f "$STUDY_PROCESS .*--out $ROOT/"
+  ours="$STUDY_PROCESS .*--out $ROOT/"
+  pkill -f "$ours"
   pkill -f "^[^ ]*python3? -m hf_fp4 pretrain --config $ROOT/"
   sleep 3
-  pgrep -f "$STUDY_PROCESS .*--out $ROOT/" > /dev/null && echo "the study is still running" || echo "study stopped"
+  pgrep -f "$ours" > /dev/null && echo "the study is still running" || echo "study stopped"
   exit 0
 fi
 if [ "$what" = prep ] || [ "$what" = start ]; then
