@@ -16,11 +16,10 @@ if not CUDA:
 
 import hf_fp4  # noqa: E402
 from hf_fp4 import QuantSpec, apply_hadamard, quantize, seeded_signs  # noqa: E402
-from hf_fp4.numerics.philox import philox_uniform  # noqa: E402
 from hf_fp4.nn.recipe import PRESET_NAMES, linear_recipe, preset  # noqa: E402
 
 triton_quant = pytest.importorskip("hf_fp4.kernels.quant")
-from hf_fp4.kernels.numerics import rand4x  # noqa: E402  (a global of the Triton test kernels)
+from hf_fp4.kernels.numerics import philox4x32, rand16x  # noqa: E402  (globals of the Triton test kernels)
 DEV = "cuda" if CUDA else "cpu"
 
 
@@ -51,43 +50,68 @@ def assert_same(a, b):
     torch.testing.assert_close(a.dequantize(), b.dequantize(), atol=0, rtol=0, equal_nan=True)
 
 
-def test_philox_twin_matches_tl_rand_and_rand4x():
-    """The reference's Philox (hf_fp4.numerics.philox) against Triton's tl.rand and tl.rand4x, and the kernels' own
-    rand4x (one wide multiply per product pair) against both: every word bit for bit, for seeds of both signs and
-    above 2^32 and counters above 2^32 (the interpreter here, the GPU's compiled code in the GPU suite)."""
+def test_philox_twin_matches_tl_randint4x_and_the_kernels_draws():
+    """The reference's Philox words (hf_fp4.numerics.philox) against Triton's tl.randint4x and the kernels' own
+    philox4x32 (one wide multiply per product pair), and the kernels' 16 uniforms a call (rand16x) against the
+    reference's byte_uniforms: every value bit for bit, for seeds of both signs and above 2^32 and counters above
+    2^32 (the interpreter here, the GPU's compiled code in the GPU suite)."""
     import triton
     import triton.language as tl
 
-    from hf_fp4.numerics.philox import philox_words, to_uniform
+    from hf_fp4.numerics.philox import byte_uniforms, philox_words
 
     @triton.jit
-    def draw(out, seed_ptr, N: tl.constexpr):
+    def draw(words_out, u_out, seed_ptr, N: tl.constexpr):
         offs = tl.arange(0, N).to(tl.int64) + (1 << 33) + tl.program_id(0) * N
-        at = tl.arange(0, N) + tl.program_id(0) * 9 * N
+        at = tl.arange(0, N) + tl.program_id(0) * N
         seed = tl.load(seed_ptr)  # a device-side int64 seed, as the operand kernels read it
-        tl.store(out + at, tl.rand(seed, offs))
-        u0, u1, u2, u3 = tl.rand4x(seed, offs)
-        v0, v1, v2, v3 = rand4x(seed, offs)
-        tl.store(out + N + at, u0)
-        tl.store(out + 2 * N + at, u1)
-        tl.store(out + 3 * N + at, u2)
-        tl.store(out + 4 * N + at, u3)
-        tl.store(out + 5 * N + at, v0)
-        tl.store(out + 6 * N + at, v1)
-        tl.store(out + 7 * N + at, v2)
-        tl.store(out + 8 * N + at, v3)
+        a0, a1, a2, a3 = tl.randint4x(seed, offs)
+        b0, b1, b2, b3 = philox4x32(seed, offs)
+        total = N * tl.num_programs(0)
+        tl.store(words_out + at, a0.to(tl.int32, bitcast=True))
+        tl.store(words_out + total + at, a1.to(tl.int32, bitcast=True))
+        tl.store(words_out + 2 * total + at, a2.to(tl.int32, bitcast=True))
+        tl.store(words_out + 3 * total + at, a3.to(tl.int32, bitcast=True))
+        tl.store(words_out + 4 * total + at, b0.to(tl.int32, bitcast=True))
+        tl.store(words_out + 5 * total + at, b1.to(tl.int32, bitcast=True))
+        tl.store(words_out + 6 * total + at, b2.to(tl.int32, bitcast=True))
+        tl.store(words_out + 7 * total + at, b3.to(tl.int32, bitcast=True))
+        us = rand16x(seed, offs)
+        for i in tl.static_range(16):
+            tl.store(u_out + at * 16 + i, us[i])
 
     n, programs = 512, 2
-    out = torch.empty(9 * n * programs, device=DEV)
+    words_out = torch.empty(8 * n * programs, dtype=torch.int32, device=DEV)
+    u_out = torch.empty(16 * n * programs, device=DEV)
     offsets = torch.arange(n * programs) + (1 << 33)
     for seed in (0, 977, 2**32 + 5, -(2**62) - 3, 2**63 - 1):
-        draw[(programs,)](out, torch.tensor([seed], dtype=torch.int64, device=DEV), n)
-        got = out.cpu().view(programs, 9, n).transpose(0, 1).reshape(9, n * programs)
-        words = [to_uniform(w) for w in philox_words(seed, offsets)]
-        assert torch.equal(got[0], philox_uniform(seed, offsets))
-        for i, w in enumerate(words):
-            assert torch.equal(got[1 + i], w), i  # tl.rand4x
-            assert torch.equal(got[5 + i], w), i  # the kernels' rand4x
+        draw[(programs,)](words_out, u_out, torch.tensor([seed], dtype=torch.int64, device=DEV), n)
+        got = words_out.cpu().view(8, n * programs).to(torch.int64) & 0xFFFFFFFF
+        ref = philox_words(seed, offsets)
+        for i, w in enumerate(ref):
+            assert torch.equal(got[i], w), i  # tl.randint4x
+            assert torch.equal(got[4 + i], w), i  # the kernels' philox4x32
+        assert torch.equal(u_out.cpu().view(n * programs, 16), byte_uniforms(ref))
+
+
+def test_philox_noise_is_sixteen_byte_uniforms_per_call_in_row_order():
+    """philox_noise's layout, built here element by element from the words with Python integers: element (r, c) is
+    byte c % 4 of word (c % 16) // 4 of the call at r * ceil(Kp / 16) + c // 16, as (byte + 1/2) / 256 -- for a
+    width that is a multiple of 16 and one that is not (a row's last call partly used)."""
+    from hf_fp4.numerics.philox import philox_noise, philox_words
+
+    for rows, cols in ((3, 48), (4, 40)):
+        per_row = -(-cols // 16)
+        words = philox_words(-12345, torch.arange(rows * per_row))
+        want = torch.empty(rows, cols)
+        for r in range(rows):
+            for c in range(cols):
+                word = int(words[(c % 16) // 4][r * per_row + c // 16])
+                want[r, c] = ((word >> (8 * (c % 4))) & 0xFF) / 256 + 1 / 512
+        assert torch.equal(philox_noise(-12345, (rows, cols)), want)
+    u = philox_noise(7, (64, 1024))
+    assert len(torch.unique(u)) == 256 and float(u.min()) == 1 / 512 and float(u.max()) == 1 - 1 / 512
+    assert abs(float(u.double().mean()) - 0.5) < 0.002
 
 
 @pytest.mark.parametrize("spec", operand_specs(), ids=str)

@@ -16,8 +16,9 @@ otherwise memory-bound:
   (m - lo) / (hi - lo) exactly (steps are powers of two);
 * E4M3 (MXFP8 elements and UE4M3 block scales) keeps the general float-grid form.
 
-Stochastic-rounding noise is drawn four elements per Philox call (`rand4x`: tl.rand4x's numbers, each round's two
-32 x 32-bit products as one wide multiply), in the layout of hf_fp4.numerics.philox.philox_noise.
+Stochastic-rounding noise is drawn sixteen elements per Philox call, a byte each (`philox4x32`: tl.randint4x's words,
+each round's two 32 x 32-bit products as one wide multiply; `byte_uniform`), in the layout of
+hf_fp4.numerics.philox.philox_noise.
 """
 from __future__ import annotations
 
@@ -317,14 +318,12 @@ def _mul_wide(a, B: tl.constexpr):
 
 
 @triton.jit
-def rand4x(seed, offset):
-    """tl.rand4x(seed, offset) bit for bit -- Philox4x32-10 at counter (offset's low and high words, 0, 0), key =
-    the int64 seed's two words, the four words mapped to [0, 1) as triton.language.random does (and
-    hf_fp4.numerics.philox) -- with each round's hi and lo products of a counter word as one 32 x 32 -> 64-bit
-    multiply: on sm_90 one IMAD.WIDE.U32 where Triton's umulhi + mul compile to two multiplies (8 draws a thread:
-    371 SASS instructions against 504 with Triton 3.6, 378 against 510 with 3.9; SR's operands draw per 4
-    elements).  Timed on an H100 (session 34, benchmarks/gpu/operands-philox-ab-2026-12-07-session34.txt):
-    bench-50m's SR dy pairs 1.4-3.9% faster than with tl.rand4x."""
+def philox4x32(seed, offset):
+    """tl.randint4x(seed, offset) bit for bit -- the four uint32 words of Philox4x32-10 at counter (offset's low and
+    high words, 0, 0), key = the int64 seed's two words (hf_fp4.numerics.philox.philox_words) -- with each round's
+    hi and lo products of a counter word as one 32 x 32 -> 64-bit multiply: on sm_90 one IMAD.WIDE.U32 where
+    Triton's umulhi + mul compile to two multiplies (timed on an H100 in session 34, when a call served four
+    elements: bench-50m's SR dy pairs 1.4-3.9% faster than with tl.rand4x)."""
     seed = seed.to(tl.uint64)
     k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
     k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
@@ -339,40 +338,77 @@ def rand4x(seed, offset):
         c1, c3 = lo_b, lo_a
         k0 = tl.add(k0, 0x9E3779B9, sanitize_overflow=False)
         k1 = tl.add(k1, 0xBB67AE85, sanitize_overflow=False)
-    return (tl.uint_to_uniform_float(c0), tl.uint_to_uniform_float(c1), tl.uint_to_uniform_float(c2),
-            tl.uint_to_uniform_float(c3))
+    return c0, c1, c2, c3
+
+
+@triton.jit
+def byte_uniform(word, K: tl.constexpr):
+    """Byte K of a Philox word as the uniform (byte + 1/2) / 256 (hf_fp4.numerics.philox.byte_uniforms): the byte
+    placed in the fraction of 1.0 (1 + byte / 256, exact) minus 1 - 1/512 (exact: a multiple of 2^-9 below 1) -- a
+    shift, one LOP3 and an FADD, where an integer-to-float conversion runs on sm_90's narrower pipe."""
+    if K == 0:
+        b = word << 15
+    elif K == 1:
+        b = word << 7
+    elif K == 2:
+        b = word >> 1
+    else:
+        b = word >> 9
+    one_plus = ((b & 0x7F8000) | 0x3F800000).to(tl.float32, bitcast=True)
+    return one_plus - 0.998046875
+
+
+@triton.jit
+def rand16x(seed, offset):
+    """The 16 uniforms of the Philox call at `offset` (each a tensor of offset's shape): element 4 w + k is byte k
+    of word w."""
+    c0, c1, c2, c3 = philox4x32(seed, offset)
+    return (byte_uniform(c0, 0), byte_uniform(c0, 1), byte_uniform(c0, 2), byte_uniform(c0, 3),
+            byte_uniform(c1, 0), byte_uniform(c1, 1), byte_uniform(c1, 2), byte_uniform(c1, 3),
+            byte_uniform(c2, 0), byte_uniform(c2, 1), byte_uniform(c2, 2), byte_uniform(c2, 3),
+            byte_uniform(c3, 0), byte_uniform(c3, 1), byte_uniform(c3, 2), byte_uniform(c3, 3))
+
+
+@triton.jit
+def _join16(u):
+    """[..., 16] from a tuple of 16 tensors, u[i] at index i of the new last dim (tl.join adds its axis last, so
+    the last join splits on the index's lowest bit)."""
+    evens = tl.join(tl.join(tl.join(u[0], u[8]), tl.join(u[4], u[12])), tl.join(tl.join(u[2], u[10]), tl.join(u[6], u[14])))
+    odds = tl.join(tl.join(tl.join(u[1], u[9]), tl.join(u[5], u[13])), tl.join(tl.join(u[3], u[11]), tl.join(u[7], u[15])))
+    return tl.join(evens, odds)
 
 
 @triton.jit
 def sr_uniforms(seed, rows, col0, KP, BM: tl.constexpr, BK: tl.constexpr):
-    """Uniforms of a [BM, BK] tile starting at column col0 (a multiple of 4) of the padded [Mp, KP]
-    operand: element (r, c) is word c % 4 of the Philox call at counter (r * KP + c) // 4."""
-    groups = col0 // 4 + tl.arange(0, BK // 4)
-    return sr_uniforms_at(seed, rows[:, None].to(tl.int64) * (KP // 4) + groups[None, :], BM, BK)
+    """Uniforms of a [BM, BK] tile starting at column col0 (a multiple of 16) of the padded [Mp, KP]
+    operand: element (r, c) is byte c % 16 of the Philox call at counter r * ceil(KP / 16) + c // 16."""
+    groups = col0 // 16 + tl.arange(0, BK // 16)
+    return sr_uniforms_at(seed, rows[:, None].to(tl.int64) * ((KP + 15) // 16) + groups[None, :], BM, BK)
 
 
 @triton.jit
 def sr_uniforms_at(seed, counters, BM: tl.constexpr, BK: tl.constexpr):
-    """sr_uniforms from the Philox counters of the tile's groups of 4 columns ([BM, BK // 4]; seed: a scalar or
+    """sr_uniforms from the Philox counters of the tile's groups of 16 columns ([BM, BK // 16]; seed: a scalar or
     any shape that broadcasts to theirs -- one seed per row or column group in grouped operands)."""
-    u0, u1, u2, u3 = rand4x(seed, counters)
-    return tl.reshape(tl.join(tl.join(u0, u2), tl.join(u1, u3)), [BM, BK])
+    return tl.reshape(_join16(rand16x(seed, counters)), [BM, BK])
 
 
 @triton.jit
 def sr_uniforms_each(seed, rows, col0, KP, BM: tl.constexpr, BK: tl.constexpr):
     """sr_uniforms' numbers without its join / reshape: every element draws its own Philox call (the one at
-    counter (r * KP + c) // 4) and keeps word c % 4 -- four times the Philox work.  For tiles the kernels
-    hold in an MMA register layout (the attention kernels' dS): on the H200 the flash dQ kernel's stochastically
-    rounded dS at 32 x 16 tiles came out unlike the spec with sr_uniforms (its dQ outside the FP32 bound; round
-    to nearest, the dK kernel and a loaded tile of the same shape were exact: session 11,
+    counter r * ceil(KP / 16) + c // 16) and keeps byte c % 16 -- sixteen times the Philox work.  For tiles the
+    kernels hold in an MMA register layout (the attention kernels' dS): on the H200 the flash dQ kernel's
+    stochastically rounded dS at 32 x 16 tiles came out unlike the spec with sr_uniforms (its dQ outside the FP32
+    bound; round to nearest, the dK kernel and a loaded tile of the same shape were exact: session 11,
     benchmarks/results-2026-12-03-session11.md), the join + reshape into the MMA layout being the one
     layout-dependent step."""
     c = col0 + tl.arange(0, BK)
-    counters = rows[:, None].to(tl.int64) * (KP // 4) + (c // 4)[None, :]
-    u0, u1, u2, u3 = rand4x(seed, counters)
-    word = (c % 4)[None, :]
-    return tl.where(word == 0, u0, tl.where(word == 1, u1, tl.where(word == 2, u2, u3)))
+    counters = rows[:, None].to(tl.int64) * ((KP + 15) // 16) + (c // 16)[None, :]
+    c0, c1, c2, c3 = philox4x32(seed, counters)
+    w = ((c % 16) // 4)[None, :]
+    word = tl.where(w == 0, c0, tl.where(w == 1, c1, tl.where(w == 2, c2, c3)))
+    b = (word >> (8 * (c % 4))[None, :].to(tl.uint32)) & 0xFF
+    return ((b << 15) | 0x3F800000).to(tl.float32, bitcast=True) - 0.998046875
 
 
 @triton.jit

@@ -43,7 +43,7 @@ from hf_fp4.numerics.spec import Rounding
 
 from .launch import launcher
 from .numerics import (block_max, encode_factor, e8m0_exponent, expand_blocks, finite_abs, flush_subnormals,
-                       grid_constants, hadamard, hadamard_across, hadamard_block_amax, pow2, rand4x, round_grid,
+                       grid_constants, hadamard, hadamard_across, hadamard_block_amax, pow2, rand16x, round_grid,
                        sr_uniforms, sr_uniforms_at, tensor_encode_scale, ue4m3_block_scale, with_sign_of)
 from .quant import SCALE_CODES, load_tile
 
@@ -347,11 +347,11 @@ def _uniforms(seed_ptr, grp, rows, col0, KP, GROUPS: tl.constexpr, BM: tl.conste
     elif GROUPS == 1:
         g = _group_of(grp, rows, 1, BM)
         u = sr_uniforms(tl.load(seed_ptr + 2 * g)[:, None], rows - tl.load(grp[1] + g), col0, KP, BM, BK)
-    else:
-        c4 = col0 + 4 * tl.arange(0, BK // 4)
-        g = _group_of(grp, c4, 1, BK // 4)
-        kp4 = tl.load(grp[2] + g)
-        counters = rows[:, None].to(tl.int64) * (kp4 // 4)[None, :] + ((c4 - tl.load(grp[1] + g)) // 4)[None, :]
+    else:  # (groups start at multiples of GROUP_ROWS = 16: a Philox call's 16 columns lie in one group)
+        c16 = col0 + 16 * tl.arange(0, BK // 16)
+        g = _group_of(grp, c16, 1, BK // 16)
+        kp16 = (tl.load(grp[2] + g) + 15) // 16
+        counters = rows[:, None].to(tl.int64) * kp16[None, :] + ((c16 - tl.load(grp[1] + g)) // 16)[None, :]
         u = sr_uniforms_at(tl.load(seed_ptr + 2 * g)[None, :], counters, BM, BK)
     return u
 
@@ -527,24 +527,24 @@ def _emit_across(xs, row0, cols, first_tile, out_ptr, n_rows, n_cols, stat_ptr, 
                                                    DMAX)
     if SCALE >= 2 and first_tile and not GROUPED:  # two-level: the tensor decode scale
         tl.store(scale_ptr, s_dec)
-    if SR:  # element (c, r) takes word r % 4 of Philox call c * KP / 4 + r // 4
+    if SR:  # element (c, r) takes byte r % 16 of Philox call c * KP / 16 + r // 16 (N, KP: multiples of 16)
         if GROUPED:  # each group its own operand: its seed, its rows from its first, its padded length
             seed = tl.load(seed_ptr + 2 * g)[:, None]
-            kp = (tl.load(grp[2] + g) // 4)[:, None]
-            rows4 = (first_rows - tl.load(grp[1] + g)) // 4
+            kp = (tl.load(grp[2] + g) // 16)[:, None]
+            rows16 = (first_rows - tl.load(grp[1] + g)) // 16
         else:
             seed = tl.load(seed_ptr)
-            kp = KP // 4
-            rows4 = row0 // 4 + tl.arange(0, G) * (N // 4)
+            kp = KP // 16
+            rows16 = row0 // 16 + tl.arange(0, G) * (N // 16)
         # + 1 where xs[0] is NaN (its block is NaN whatever the draws): keeps the counters in the values' layout --
         # from the aranges alone sm_90 code drew in a layout of its own and converted every draw
-        base = cols[None, :].to(tl.int64) * kp + rows4[:, None] + (xs[0] != xs[0]).to(tl.int64)
+        base = cols[None, :].to(tl.int64) * kp + rows16[:, None] + (xs[0] != xs[0]).to(tl.int64)
     qs, vals = (), ()
-    for j in tl.static_range(N // 4):
+    for j in tl.static_range(N // 16):
         if SR:
-            us = rand4x(seed, base + j)
-        for w in tl.static_range(4):
-            q, v = _round_values(ys[4 * j + w], encode, factor, us[w] if SR else ys[4 * j + w], GRID, SR)
+            us = rand16x(seed, base + j)
+        for i in tl.static_range(16):
+            q, v = _round_values(ys[16 * j + i], encode, factor, us[i] if SR else ys[16 * j + i], GRID, SR)
             qs, vals = qs + (q,), vals + (v,)
     rows = row0 + tl.arange(0, G * N)
     offs = cols[:, None].to(tl.int64) * n_cols + rows[None, :]

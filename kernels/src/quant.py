@@ -152,7 +152,7 @@ def triton_quantize(x: torch.Tensor, spec: QuantSpec, seed: int | None = None, h
         m, k, stride_m, stride_k, shape = x2.shape[0], x2.shape[1], x2.stride(0), x2.stride(1), x.shape
     br, bc = spec.block
     bm, bk, warps = tile or DEFAULT_TILE
-    bm, bk = max(bm, br), max(bk, bc, hadamard or 1)
+    bm, bk = max(bm, br), max(bk, bc, hadamard or 1, 16)  # (SR: a Philox call serves 16 columns)
     kp = padded_width(k, hadamard, bc)  # the reference's padded K (SR offsets)
     dev = x.device
     dummy = torch.empty(1, dtype=torch.float32, device=dev)
