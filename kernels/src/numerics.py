@@ -370,15 +370,6 @@ def rand16x(seed, offset):
 
 
 @triton.jit
-def _join16(u):
-    """[..., 16] from a tuple of 16 tensors, u[i] at index i of the new last dim (tl.join adds its axis last, so
-    the last join splits on the index's lowest bit)."""
-    evens = tl.join(tl.join(tl.join(u[0], u[8]), tl.join(u[4], u[12])), tl.join(tl.join(u[2], u[10]), tl.join(u[6], u[14])))
-    odds = tl.join(tl.join(tl.join(u[1], u[9]), tl.join(u[5], u[13])), tl.join(tl.join(u[3], u[11]), tl.join(u[7], u[15])))
-    return tl.join(evens, odds)
-
-
-@triton.jit
 def sr_uniforms(seed, rows, col0, KP, BM: tl.constexpr, BK: tl.constexpr):
     """Uniforms of a [BM, BK] tile starting at column col0 (a multiple of 16) of the padded [Mp, KP]
     operand: element (r, c) is byte c % 16 of the Philox call at counter r * ceil(KP / 16) + c // 16."""
@@ -389,8 +380,14 @@ def sr_uniforms(seed, rows, col0, KP, BM: tl.constexpr, BK: tl.constexpr):
 @triton.jit
 def sr_uniforms_at(seed, counters, BM: tl.constexpr, BK: tl.constexpr):
     """sr_uniforms from the Philox counters of the tile's groups of 16 columns ([BM, BK // 16]; seed: a scalar or
-    any shape that broadcasts to theirs -- one seed per row or column group in grouped operands)."""
-    return tl.reshape(_join16(rand16x(seed, counters)), [BM, BK])
+    any shape that broadcasts to theirs -- one seed per row or column group in grouped operands).  The words are
+    spread to one per 4 columns first, then their bytes (two joins of 4, the layout of the draws of 4 uniforms a
+    call before): one join of 16 uniforms cost the grouped UFP4 pair 6 more layout conversions and 12 more
+    barriers in sm_90 code (scripts/ptx_report.py), the ungrouped NVFP4 pair the same either way."""
+    c0, c1, c2, c3 = philox4x32(seed, counters)
+    words = tl.reshape(tl.join(tl.join(c0, c2), tl.join(c1, c3)), [BM, BK // 4])  # word w of a call at 4 g + w
+    return tl.reshape(tl.join(tl.join(byte_uniform(words, 0), byte_uniform(words, 2)),
+                              tl.join(byte_uniform(words, 1), byte_uniform(words, 3))), [BM, BK])
 
 
 @triton.jit
