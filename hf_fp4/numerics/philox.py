@@ -1,8 +1,8 @@
 """Philox4x32-10 noise in pure PyTorch, bit-identical to the Triton kernels' draws.
 
 The kernels draw stochastic-rounding noise sixteen elements per Philox call: eight random bits an element, as
-Blackwell's `cvt.rs` conversions to FP4 take them (one 32-bit word per four values) and NVIDIA's NVFP4 recipe
-draws them (one Philox4x32 call per sixteen).  Element (r, c) of the padded [Mp, Kp] operand takes byte c % 4 of
+Blackwell's `cvt.rs` conversions to FP4 take them (one 32-bit word per four values, as TransformerEngine's NVFP4
+cast passes them).  Element (r, c) of the padded [Mp, Kp] operand takes byte c % 4 of
 word (c % 16) // 4 of the call at counter r * ceil(Kp / 16) + c // 16, as the uniform (byte + 1/2) / 256 -- exact in
 FP32, mean 1/2, so a value's chance of rounding up is its fraction of a grid step within 1/512.  (Four uniforms a
 call of 31 bits each, the layout before session 36, cost the SR operand kernels about 20 instructions per element
