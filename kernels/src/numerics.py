@@ -354,8 +354,13 @@ def byte_uniform(word, K: tl.constexpr):
         b = word >> 1
     else:
         b = word >> 9
-    one_plus = ((b & 0x7F8000) | 0x3F800000).to(tl.float32, bitcast=True)
-    return one_plus - 0.998046875
+    return _uniform_at_bit15(b)
+
+
+@triton.jit
+def _uniform_at_bit15(b):
+    """(byte + 1/2) / 256 of the byte held in bits 15-22 of the uint32 b (other bits ignored)."""
+    return ((b & 0x7F8000) | 0x3F800000).to(tl.float32, bitcast=True) - 0.998046875
 
 
 @triton.jit
@@ -404,8 +409,7 @@ def sr_uniforms_each(seed, rows, col0, KP, BM: tl.constexpr, BK: tl.constexpr):
     c0, c1, c2, c3 = philox4x32(seed, counters)
     w = ((c % 16) // 4)[None, :]
     word = tl.where(w == 0, c0, tl.where(w == 1, c1, tl.where(w == 2, c2, c3)))
-    b = (word >> (8 * (c % 4))[None, :].to(tl.uint32)) & 0xFF
-    return ((b << 15) | 0x3F800000).to(tl.float32, bitcast=True) - 0.998046875
+    return _uniform_at_bit15((word >> (8 * (c % 4))[None, :].to(tl.uint32)) << 15)
 
 
 @triton.jit
