@@ -238,6 +238,18 @@ def test_operand_kernel_both_orientations_match_reference(spec, form, h):
     assert_operands_exact(t, plans, torch.tensor([7, -2**40], device=DEV), signs)
 
 
+@pytest.mark.parametrize("grid", ["e2m1", "e1m2"])
+def test_sr_with_blocks_of_8_on_a_width_of_8_mod_16_matches_the_reference(grid):
+    """A Philox call serves 16 columns: with 1 x 8 blocks a padded width of 8 mod 16 leaves each row's last call
+    half used (counters per row, ceil(Kp / 16) a row), in the packed-code quantizer and in both operand
+    orientations (rows: 40 columns; the transposed one: 24 rows)."""
+    spec = QuantSpec(grid=grid, block=(1, 8), scale="ue4m3_fp32", rounding="stochastic")
+    x = wide(24, 40, seed=3)
+    assert_same(triton_quant.triton_quantize(x, spec, seed=-99), quantize(x, spec, seed=-99))
+    plans = (plan_for(spec, "bf16", 0, False), plan_for(spec, "bf16", 0, False))
+    assert_operands_exact(x, plans, torch.tensor([5, 2**35], device=DEV), (None, None))
+
+
 @pytest.mark.parametrize("name,form", [("nvfp4", "bf16"), ("ufp4", "bf16"), ("mxfp4", "bf16"), ("mxfp4", "fp8")])
 def test_a_negative_value_quantized_to_zero_is_minus_zero_as_in_the_reference(name, form):
     """The reference's code keeps the scaled value's sign bit (formats.encode), so a negative value whose scaled form
