@@ -207,7 +207,7 @@ def test_only_runs_the_named_labels_and_runs(corpus_files, tmp_path, capsys):
 
 def test_runs_side_by_side_share_the_cpu_threads_unless_the_caller_set_them(corpus_files, tmp_path, monkeypatch):
     """Each of `parallel` runs gets OMP_NUM_THREADS and TORCHINDUCTOR_COMPILE_THREADS = cores // parallel (at least
-    1); a value in the caller's environment is kept."""
+    1), cores being those of the process's affinity mask; a value in the caller's environment is kept."""
     import os
 
     from hf_fp4.train.study import threads_per_run
@@ -219,7 +219,9 @@ def test_runs_side_by_side_share_the_cpu_threads_unless_the_caller_set_them(corp
                                     "e['OMP_NUM_THREADS'] + ' ' + e['TORCHINDUCTOR_COMPILE_THREADS'])"]
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
-    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    # the cores this process may run on count (its affinity mask), not the machine's
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
     assert threads_per_run(5) == 3 and threads_per_run(1) == 16 and threads_per_run(40) == 1
     assert run_study(study, out, parallel=5, launcher=record, poll_s=0.05) == {"bf16-s0": 0, "nvfp4-s0": 0}
     assert [p.read_text() for p in sorted((out / "configs").glob("*.threads"))] == ["3 3", "3 3"]

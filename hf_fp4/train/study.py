@@ -44,6 +44,7 @@ from ..files import atomic_write_text
 from .data import prepare_data
 from ..extras import optional, require
 from .config import TrainConfig
+from .corpus import usable_cores
 
 STUDY_KEYS = {"name", "base", "overrides", "seeds", "runs", "claims", "goal"}
 CLAIM_KEYS = {"claim", "source", "paper", "better", "worse"}
@@ -217,12 +218,12 @@ def run_study(study: Study, out: str | Path, parallel: int = 1, gpus: list[str] 
 
 def threads_per_run(parallel: int) -> int:
     """CPU threads for each of `parallel` runs side by side (their OMP_NUM_THREADS and inductor's compile workers,
-    TORCHINDUCTOR_COMPILE_THREADS, unless the caller set them): the machine's cores shared out.  Each run
+    TORCHINDUCTOR_COMPILE_THREADS, unless the caller set them): the cores this process may use shared out.  Each run
     otherwise starts a thread per core, and OpenMP's spinning waits make oversubscribed CPU work crawl: LoRA-SVD's
     splits at model build (70 SVDs, 6 s alone on 2 cores) took 85-91 s in each of three processes side by side,
     11 s with one thread each; five fs-lora16 runs on a 16-core GPU machine had built no model after 15 minutes
     (session 32)."""
-    return max(1, (os.cpu_count() or 1) // max(1, parallel))
+    return max(1, usable_cores() // max(1, parallel))
 
 
 def _data_key(config: dict) -> tuple:
