@@ -207,6 +207,7 @@ def test_the_flash_backward_quantizes_its_ds_as_the_spec_and_makes_the_spec_grad
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     spec = BWD_SPECS[name]
+    seed = (1 << 62) - 2 if causal else 7  # a 64-bit kernel argument (a model's AttentionRNG seeds) and a 32-bit one
     g = torch.Generator().manual_seed(11)
     t = 72
     qh, kh, vh, do = (torch.randn(1, 2, t, D, generator=g) for _ in range(4))
@@ -242,12 +243,12 @@ def test_the_flash_backward_quantizes_its_ds_as_the_spec_and_makes_the_spec_grad
         live = torch.isfinite(lse64)
         assert (lse.cpu().double()[live] - lse64[live]).abs().max() <= 1e-5
     dq, dk, dv, dbg = (x.cpu().double() for x in flash_backward(*(x.to(dev) for x in inputs), kernel_keep,
-                                                                 scale, spec, 7, decodes, tile, debug=True,
+                                                                 scale, spec, seed, decodes, tile, debug=True,
                                                                  causal=causal, lse=lse))
     assert (dbg - ds).abs().max() <= 1e-5 * ds.abs().max()
     if padding:
         assert torch.all(dq[0, :, 2] == 0) and torch.all(dbg[0, :, 2] == 0)  # the query that sees nothing
-    ds_keys, ds_queries = (x.double() for x in _ds_operands(dbg.float(), spec, 7))
+    ds_keys, ds_queries = (x.double() for x in _ds_operands(dbg.float(), spec, seed))
     fp32 = t * 2.0**-24 + 2.0**-21  # FP32 accumulation over keys / queries, then the scale and decodes
 
     def within(got, a, b, extra=0.0):
@@ -436,6 +437,105 @@ def test_a_model_runs_fp4_attention_and_saves_it(tmp_path):
     assert torch.equal(again(ids).logits, fp4(ids).logits)
 
 
+SR = {**QuantSpec.preset("nvfp4").to_dict(), "rounding": "stochastic"}
+SR_ATTENTION = {"q": SR, "k": SR, "v": SR, "ds": SR}
+
+
+def sr_seed(layer: int, step: int) -> int:
+    """The spec of a model's stochastic attention seeds, in Python integers: (crc32("attention/<layer index>") +
+    step * 0x5851F42D4C957F2D) mod 2^62 at the layer's step-th training call."""
+    import zlib
+
+    return (zlib.crc32(f"attention/{layer}".encode()) + step * 0x5851F42D4C957F2D) % (1 << 62)
+
+
+def test_stochastic_attention_in_a_model_draws_per_layer_from_a_step_counter():
+    """A stochastically rounding attention recipe in a model: each layer's call draws with the seed of its layer
+    index and its training step (forward and backward: the output and the gradients of fp4_attention with that
+    seed), the step advancing once per training forward and never under evaluation; two layers draw apart.
+    Before: every layer drew from one host counter per module starting at 0 (the same noise in every layer),
+    advanced by evaluation, lost by a resumed run."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_fp4.nn.attention import attention_forward, attention_rngs
+
+    model = AutoModelForCausalLM.from_config(tiny_config(), quantization_config=hf_fp4.FP4TrainConfig(
+        "bf16", attention=SR_ATTENTION))
+    attn = [layer.self_attn for layer in model.model.layers]
+    assert sorted(attention_rngs(model)) == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+    q, k, v = qkv(3)
+    d_out = torch.randn(B, H, T, D, generator=torch.Generator().manual_seed(4), dtype=torch.bfloat16)
+
+    def call(module, grad=True):
+        qq, kk, vv = (t.detach().clone().requires_grad_(grad) for t in (q, k, v))
+        with torch.set_grad_enabled(grad):
+            out = attention_forward(module, qq, kk, vv, None, scaling=D ** -0.5, is_causal=True)[0].transpose(1, 2)
+        if not grad:
+            return out, None
+        out.backward(d_out)
+        return out.detach(), (qq.grad, kk.grad, vv.grad)
+
+    def spec(layer, step):
+        qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        out = fp4_attention(qq, kk, vv, None, D ** -0.5, SR_ATTENTION, sr_seed(layer, step), causal=True)
+        out.backward(d_out)
+        return out.detach(), (qq.grad, kk.grad, vv.grad)
+
+    def same(a, b):
+        return torch.equal(a[0], b[0]) and all(torch.equal(x, y) for x, y in zip(a[1], b[1]))
+
+    first, second, other = call(attn[0]), call(attn[0]), call(attn[1])
+    assert same(first, spec(0, 0)) and same(second, spec(0, 1)) and same(other, spec(1, 0))
+    assert not torch.equal(first[0], other[0]) and not torch.equal(first[0], second[0])
+    evaluated = call(attn[0], grad=False)[0]  # step 2's seed, the counter left at 2
+    assert torch.equal(evaluated, spec(0, 2)[0]) and torch.equal(call(attn[0], grad=False)[0], evaluated)
+    counters = {name: n for name, n in hf_fp4.rng_state_dict(model).items() if name.endswith("self_attn")}
+    assert counters == {"model.layers.0.self_attn": 2, "model.layers.1.self_attn": 1}  # beside the linears
+
+
+def test_stochastic_attention_resumes_its_stream_and_compiles_without_recompiling(corpus_files, tmp_path):
+    """The trainer with a stochastically rounding attention recipe: a run stopped at step 3 and resumed logs the
+    uninterrupted run's losses bit for bit (the attention counters travel in the checkpoint's RNG state), and a
+    block compiled with fullgraph=True gives the eager losses step after step without recompiling (the seed is a
+    device tensor read inside the op, not a host integer the graph would specialise on)."""
+    import torch._dynamo
+    from test_pretrain import records, tiny_cfg
+    from transformers import AutoModelForCausalLM
+
+    from hf_fp4.train import trainer
+    from hf_fp4.train.config import TrainConfig
+
+    kw = dict(recipe="bf16", recipe_options={"attention": SR_ATTENTION}, max_steps=6, eval_every=3,
+              checkpoint_every=3, schedule="constant")
+    trainer.train(TrainConfig.from_dict(tiny_cfg(corpus_files, tmp_path / "whole", **kw)))
+    trainer.train(TrainConfig.from_dict(tiny_cfg(corpus_files, tmp_path / "split", **{**kw, "max_steps": 3})))
+    trainer.train(TrainConfig.from_dict(tiny_cfg(corpus_files, tmp_path / "split", **kw)), resume=True)
+    whole = [(r.get("loss"), r.get("val_loss")) for r in records(tmp_path / "whole")]
+    assert len(whole) >= 6 and whole == [(r.get("loss"), r.get("val_loss")) for r in records(tmp_path / "split")]
+
+    torch._dynamo.reset()
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(2))
+
+    def losses(compiled):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(tiny_config(), quantization_config=hf_fp4.FP4TrainConfig(
+            "bf16", attention=SR_ATTENTION))
+        if compiled:
+            for block in model.model.layers:
+                block.compile(backend="aot_eager", fullgraph=True, dynamic=False)
+        out = []
+        for _ in range(3):
+            loss = model(ids, labels=ids, use_cache=False).loss
+            loss.backward()
+            out.append(loss.item())
+        return out, hf_fp4.rng_state_dict(model)
+
+    eager = losses(False)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        assert losses(True) == eager and len(set(eager[0])) == 3
+    torch._dynamo.reset()
+
+
 def test_fullstack_is_every_piece_and_each_switches_off(corpus_files, tmp_path, monkeypatch):
     """FP4TrainConfig("fullstack"): NVFP4 linears with LoRA-SVD, FP4 attention, and (training config
     `optimizer: auto`) FP4 AdamW state; attention="none", lora_svd_rank=0, optimizer: adamw turn each off."""
@@ -480,7 +580,7 @@ def test_compiled_blocks_keep_fp4_attention_in_their_graph():
     attention op's own gradients are compared in test_fp4_attention_compiles_into_one_graph_with_its_eager_values).
     Mode "auto" picks CUDA graphs for it only where it reads nothing on the host (graph_safe): the flash kernels of
     a round-to-nearest recipe on CUDA -- not the reference backend (it checks values on the host; the CPU's
-    "auto"), not a stochastic recipe (it seeds each call from a host counter)."""
+    "auto"), not a stochastic recipe (the op reads its seed on the host)."""
     import torch._dynamo
     from transformers import AutoModelForCausalLM
 

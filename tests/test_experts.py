@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, MixtralConfig, OlmoeConfig, Qwen3
 from tiny import cuda_train_steps
 
 import hf_fp4
-from hf_fp4 import FP4Linear, FP4TrainConfig, preset
+from hf_fp4 import FP4Linear, FP4TrainConfig, QuantSpec, preset
 from hf_fp4.nn.compile import graph_safe
 from hf_fp4.nn.swap import load_rng_state_dict, rng_state_dict
 from hf_fp4.nn.experts import ExpertsFP4, experts_modules, experts_states
@@ -510,18 +510,25 @@ def test_grouped_experts_compile_with_fullgraph_and_equal_eager(recipe, dev, mon
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("arch,recipe", [("qwen3_moe", "nvfp4"), ("mixtral", "ufp4"), ("llama", "nvfp4")])
-def test_gradient_checkpointing_gives_the_gradients_and_streams_of_the_plain_run(arch, recipe):
+SR_NVFP4 = {**QuantSpec.preset("nvfp4").to_dict(), "rounding": "stochastic"}
+SR_ATTENTION = dict.fromkeys(("q", "k", "v", "ds"), SR_NVFP4)
+
+
+@pytest.mark.parametrize("arch,recipe,attention", [("qwen3_moe", "nvfp4", None), ("mixtral", "ufp4", None),
+                                                   ("llama", "nvfp4", None), ("llama", "nvfp4", SR_ATTENTION)])
+def test_gradient_checkpointing_gives_the_gradients_and_streams_of_the_plain_run(arch, recipe, attention):
     """Activation checkpointing runs each decoder block's forward again inside the backward: the recomputed
     FP4 layers and experts must draw with the first run's step (their dy SR noise is seeded by it) and must not
     advance the step counters again.  Two steps, bit for bit: losses, every gradient, the RNG counters.  (Before
-    the fix, 19 gradients of a 2-layer Llama differed and the counters ran at twice the rate.)"""
+    the fix, 19 gradients of a 2-layer Llama differed and the counters ran at twice the rate.)  With FP4 attention
+    rounding Q, K, V and dS stochastically, its counters follow the same rule (before: a recompute drew anew)."""
     from tiny import tiny_config
 
     def run(checkpointing):
         torch.manual_seed(0)
         cfg = tiny_config("llama") if arch == "llama" else ARCHS[arch]()
-        model = AutoModelForCausalLM.from_config(cfg, quantization_config=FP4TrainConfig(recipe))
+        model = AutoModelForCausalLM.from_config(cfg, quantization_config=FP4TrainConfig(
+            recipe, **({"attention": attention} if attention else {})))
         model.train()
         if checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -536,6 +543,7 @@ def test_gradient_checkpointing_gives_the_gradients_and_streams_of_the_plain_run
 
     (plain, plain_rng), (ac, ac_rng) = run(False), run(True)
     assert plain_rng == ac_rng and set(plain_rng.values()) == {2}
+    assert any(name.endswith("self_attn") for name in plain_rng) == (attention is not None)
     for (loss_a, grads_a), (loss_b, grads_b) in zip(plain, ac):
         assert loss_a == loss_b
         assert [n for n in grads_a if not torch.equal(grads_a[n], grads_b[n])] == []

@@ -18,7 +18,7 @@ quantizers are straight-through.  Every format is a QuantSpec of an `AttentionRe
 `attention_forward` is registered with Transformers' attention interface as attn_implementation="hf_fp4"
 (causal, GQA, padding masks, sliding windows: it takes the boolean masks Transformers builds for SDPA), and
 `FP4TrainConfig(..., attention="nvfp4")` switches a model to it.  Stochastic-rounding specs draw their
-Philox seeds from a per-module call counter.  The Triton flash kernels (`backend="triton"`; in a model
+Philox seeds from the module's AttentionRNG (a device step counter, checkpointed with the linears').  The Triton flash kernels (`backend="triton"`; in a model
 `config.hf_fp4_attention_backend`, "auto" by default: the kernels on CUDA, the reference elsewhere;
 hf_fp4.kernels.attention) compute the same without
 materialising S, P or dS: within the BF16 rounding of P and FP32 arithmetic of this reference, with dS
@@ -37,14 +37,17 @@ from __future__ import annotations
 
 import functools
 import json
+import zlib
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 
+from ..numerics.philox import STEP_MIX
 from ..numerics.quantize import fake_quantize, quantize
 from ..numerics.scales import ScaleRule
 from ..numerics.spec import QuantSpec, as_spec
+from .step_counter import call_step
 
 TENSORS = ("q", "k", "v", "ds")
 IMPLEMENTATION = "hf_fp4"
@@ -260,10 +263,17 @@ def _own(t: torch.Tensor, *others: torch.Tensor) -> torch.Tensor:
     return t.clone() if any(ptr == o.untyped_storage().data_ptr() for o in others) and t.numel() else t
 
 
+def _seed_of(seed: int, seed_t: Optional[torch.Tensor]) -> int:
+    """The call's seed: `seed`, or the value of the device seed `seed_t` where one is given (a stochastic recipe in
+    a model: read on the host here, inside the op -- such a call is not graph-safe)."""
+    return int(seed_t) if seed_t is not None else seed
+
+
 @torch.library.custom_op("hf_fp4::attention", mutates_args=())
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: Optional[torch.Tensor], scale: float,
-                  recipe: str, seed: int, backend: str, causal: bool
+                  recipe: str, seed: int, backend: str, causal: bool, seed_t: Optional[torch.Tensor]
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    seed = _seed_of(seed, seed_t)
     with torch.autocast(q.device.type, enabled=False):  # the reference's FP32 products, whatever the caller's autocast
         out, (qh, kh, vh, decodes, lse) = _forward(q, k, v, keep, scale, _recipe_of(recipe), seed, backend, causal)
     saved = []
@@ -274,7 +284,7 @@ def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: Optio
 
 
 @_attention_op.register_fake
-def _(q, k, v, keep, scale, recipe, seed, backend, causal):
+def _(q, k, v, keep, scale, recipe, seed, backend, causal, seed_t):
     tc = _uses_tensor_cores(q, k, v, _recipe_of(recipe), backend)
     saved = torch.bfloat16 if tc else torch.float32
     lse = q.new_empty(q.shape[:3], dtype=torch.float32) if backend == "triton" else q.new_empty(0, dtype=torch.float32)
@@ -286,31 +296,32 @@ def _(q, k, v, keep, scale, recipe, seed, backend, causal):
 def _attention_backward_op(d_out: torch.Tensor, qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor,
                            out: torch.Tensor, keep: Optional[torch.Tensor], decodes: torch.Tensor, lse: torch.Tensor,
                            scale: float, recipe: str, seed: int, backend: str, causal: bool, q_dtype: torch.dtype,
-                           k_dtype: torch.dtype, v_dtype: torch.dtype
+                           k_dtype: torch.dtype, v_dtype: torch.dtype, seed_t: Optional[torch.Tensor]
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     with torch.autocast(qh.device.type, enabled=False):  # (as the forward op)
         return _backward(d_out.contiguous(), qh, kh, vh, out, keep, decodes if decodes.numel() else None,
-                         lse if lse.numel() else None, scale, _recipe_of(recipe), seed, backend, causal,
-                         (q_dtype, k_dtype, v_dtype))
+                         lse if lse.numel() else None, scale, _recipe_of(recipe), _seed_of(seed, seed_t), backend,
+                         causal, (q_dtype, k_dtype, v_dtype))
 
 
 @_attention_backward_op.register_fake
-def _(d_out, qh, kh, vh, out, keep, decodes, lse, scale, recipe, seed, backend, causal, q_dtype, k_dtype, v_dtype):
+def _(d_out, qh, kh, vh, out, keep, decodes, lse, scale, recipe, seed, backend, causal, q_dtype, k_dtype, v_dtype,
+      seed_t):
     return (qh.new_empty(qh.shape, dtype=q_dtype), kh.new_empty(kh.shape, dtype=k_dtype),
             vh.new_empty(vh.shape, dtype=v_dtype))
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, keep, scale, recipe, seed, backend, causal = inputs
+    q, k, v, keep, scale, recipe, seed, backend, causal, seed_t = inputs
     out, qh, kh, vh, decodes, lse = output
-    ctx.save_for_backward(qh, kh, vh, out, keep, decodes, lse)
+    ctx.save_for_backward(qh, kh, vh, out, keep, decodes, lse, seed_t)
     ctx.args = (scale, recipe, seed, backend, causal, q.dtype, k.dtype, v.dtype)
 
 
 def _attention_grad(ctx, d_out, *unused):
-    qh, kh, vh, out, keep, decodes, lse = ctx.saved_tensors
-    dq, dk, dv = _attention_backward_op(d_out, qh, kh, vh, out, keep, decodes, lse, *ctx.args)
-    return dq, dk, dv, None, None, None, None, None, None
+    qh, kh, vh, out, keep, decodes, lse, seed_t = ctx.saved_tensors
+    dq, dk, dv = _attention_backward_op(d_out, qh, kh, vh, out, keep, decodes, lse, *ctx.args, seed_t)
+    return dq, dk, dv, None, None, None, None, None, None, None
 
 
 _attention_op.register_autograd(_attention_grad, setup_context=_setup_context)
@@ -328,14 +339,16 @@ ATTENTION_BACKENDS = ("auto", "reference", "triton")
 
 
 def fp4_attention(q, k, v, keep=None, scale: float | None = None, recipe: "AttentionRecipe | str | dict" = "nvfp4",
-                  seed: int = 0, backend: str = "reference", causal: bool = False) -> torch.Tensor:
+                  seed: "int | torch.Tensor" = 0, backend: str = "reference", causal: bool = False) -> torch.Tensor:
     """FP4 attention of q [B, H, Tq, D] and k, v [B, Hkv, Tk, D] (Hkv divides H); keep: a boolean mask
     (True: attend) broadcastable to [B, H, Tq, Tk], or None (no mask); causal: also key <= query (the flash
     kernels compute it and skip the tiles above the diagonal; keep=tril within FP32 summation order).  backend
     "triton": the flash kernels (hf_fp4.kernels.attention; equal to the reference within the BF16 rounding of P
     and FP32 arithmetic); "auto": the kernels on CUDA, the reference elsewhere (a model's default).  Under autocast
     q, k and v are first cast to its dtype, as SDPA's autocast rule casts them (the output is in that dtype, so
-    the flash backward takes a BF16 dO on the tensor cores)."""
+    the flash backward takes a BF16 dO on the tensor cores).  seed: the Philox seed of stochastically rounded
+    tensors (q, k, v draw from seed, seed + 1, seed + 2; dS from seed + 3 and, for dK, seed + 4), a Python int or
+    a one-element int64 tensor (a model's call counter, see AttentionRNG: read inside the op)."""
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"fp4_attention: unknown backend {backend!r}; valid: {', '.join(ATTENTION_BACKENDS)}")
     if backend == "auto":
@@ -352,7 +365,9 @@ def fp4_attention(q, k, v, keep=None, scale: float | None = None, recipe: "Atten
         key = recipe if recipe.startswith("{") else _preset_key(recipe)
     else:
         key = recipe_key(AttentionRecipe.build(recipe))
-    return _attention_op(q, k, v, keep, float(scale), key, int(seed), backend, bool(causal))[0]
+    seed_t = seed.reshape(()) if isinstance(seed, torch.Tensor) else None
+    return _attention_op(q, k, v, keep, float(scale), key, 0 if seed_t is not None else int(seed), backend,
+                         bool(causal), seed_t)[0]
 
 
 def _keep_mask(attention_mask, kv_len: int) -> torch.Tensor | None:
@@ -384,7 +399,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         key, value, kv_len = key[:, :, :q_len], value[:, :, :q_len], q_len
     keep = _keep_mask(attention_mask, kv_len)
     backend = getattr(config, "hf_fp4_attention_backend", "auto")
-    if recipe.stochastic:  # a fresh Philox stream per call, from a host counter: outside a compiled graph
+    if recipe.stochastic:  # the module's Philox stream (AttentionRNG)
         out = _stochastic_attention(module, query, key, value, keep, scaling, key_json, backend, causal)
     else:
         out = fp4_attention(query, key, value, keep, scaling, key_json, 0, backend, causal)
@@ -403,11 +418,17 @@ def module_recipe(module: torch.nn.Module, config) -> tuple[AttentionRecipe, str
 
 
 @torch.compiler.disable
-def _cache_recipe(module: torch.nn.Module, value) -> tuple:
+def _cache_recipe(module: torch.nn.Module, value, calls_attention: bool = True) -> tuple:
     """Built outside a compiled graph: a compiled call that finds no cached recipe breaks its graph here once, and
-    recompiles with the module's cached recipe from then on (`cache_recipes` fills the caches before compiling)."""
+    recompiles with the module's cached recipe from then on (`cache_recipes` fills the caches before compiling).
+    A stochastic recipe gives a module that calls the attention function its AttentionRNG."""
     recipe = AttentionRecipe.build(value)
     module._hf_fp4_attention_recipe = (value, recipe, recipe_key(recipe))
+    if (recipe.stochastic and calls_attention
+            and not isinstance(getattr(module, "_hf_fp4_attention_rng", None), AttentionRNG)):
+        param = next(module.parameters(), None)
+        device = param.device if param is not None and param.device.type != "meta" else "cpu"
+        module._hf_fp4_attention_rng = AttentionRNG(getattr(module, "layer_idx", None), device)
     return module._hf_fp4_attention_recipe
 
 
@@ -420,17 +441,76 @@ def cache_recipes(model: torch.nn.Module) -> int:
     for module in model.modules():
         config = getattr(module, "config", None)
         if getattr(config, "_attn_implementation", None) == IMPLEMENTATION:
-            _cache_recipe(module, getattr(config, "hf_fp4_attention", None) or "nvfp4")
+            _cache_recipe(module, getattr(config, "hf_fp4_attention", None) or "nvfp4", _calls_attention(module))
             done += 1
     return done
 
 
+def _calls_attention(module: torch.nn.Module) -> bool:
+    """Whether `module` is one of Transformers' attention modules, which call the attention function (an
+    `...Attention` class with a layer index).  Every module holding the config gets the recipe; only these an
+    AttentionRNG before their first call (so that a resumed run can restore it first); another module that calls
+    the attention function gets one at its first call."""
+    return type(module).__name__.endswith("Attention") and hasattr(module, "layer_idx")
+
+
 @torch.compiler.disable
+class AttentionRNG:
+    """The Philox stream of one attention module's stochastically rounded tensors: a step counter (int64, on the
+    module's device; advanced once per training forward, as FP4Linear's: hf_fp4.nn.step_counter) and a base from
+    the module's layer index.  A call's seed is (base + step * STEP_MIX) mod 2^62, made on the device and read
+    inside the attention op, so that the layers draw distinct noise, a compiled block neither breaks its graph nor
+    recompiles per call, activation checkpointing's recompute draws what the first run drew, and a resumed run
+    continues the stream (`sr_calls`, in hf_fp4.rng_state_dict).  Not a buffer: HF's meta-device loading leaves
+    those uninitialised, and it is not a weight."""
+
+    SEED_MASK = (1 << 62) - 1  # seed + 4 (dK's dS) stays an int64
+
+    def __init__(self, layer_idx, device) -> None:
+        # the base a device tensor too: an integer attribute would specialise a compiled block on the layer
+        self.base = torch.tensor(zlib.crc32(f"attention/{layer_idx}".encode()), dtype=torch.int64, device=device)
+        self.step = torch.zeros((), dtype=torch.int64, device=device)
+
+    @property
+    def sr_calls(self) -> int:
+        return int(self.step)
+
+    @sr_calls.setter
+    def sr_calls(self, value: int) -> None:
+        self.step.fill_(int(value))
+
+    def place(self, device) -> None:
+        if self.step.device != torch.device(device):
+            self.step, self.base = self.step.to(device), self.base.to(device)
+
+    def seed(self, device) -> torch.Tensor:
+        """This call's seed (a 0-d int64 tensor), advancing the counter after a training forward."""
+        self.place(device)
+        step, advances = call_step(self.step)
+        seed = (self.base + step * STEP_MIX) & self.SEED_MASK  # int64 wrap-around, then mod 2^62
+        if advances:
+            self.step.add_(1)
+        return seed
+
+
+def attention_rngs(model: torch.nn.Module) -> dict[str, AttentionRNG]:
+    """Every attention module's RNG state in `model` (those whose recipe rounds stochastically), by module name."""
+    return {name: m._hf_fp4_attention_rng for name, m in model.named_modules()
+            if isinstance(getattr(m, "_hf_fp4_attention_rng", None), AttentionRNG)}
+
+
+def place_attention_rngs(model: torch.nn.Module) -> None:
+    """Each AttentionRNG on its module's device, eagerly: after the model is moved (the counter is not a buffer),
+    before a compiled first call would move it inside its graph."""
+    for name, rng in attention_rngs(model).items():
+        param = next(model.get_submodule(name).parameters(), None)
+        if param is not None and param.device.type != "meta":
+            rng.place(param.device)
+
+
 def _stochastic_attention(module, query, key, value, keep, scaling, key_json, backend, causal):
-    """fp4_attention with the module's call counter as the seed (a host int that changes every call: traced, each
-    call would recompile)."""
-    seed = getattr(module, "_hf_fp4_attention_calls", 0)
-    module._hf_fp4_attention_calls = seed + 4
+    """fp4_attention seeded from the module's AttentionRNG (made with its recipe: _cache_recipe)."""
+    seed = module._hf_fp4_attention_rng.seed(query.device)
     return fp4_attention(query, key, value, keep, scaling, key_json, seed, backend, causal)
 
 
@@ -457,5 +537,5 @@ def enable(model: torch.nn.Module, recipe: "AttentionRecipe | str | dict") -> No
     cache_recipes(model)
 
 
-__all__ = ["AttentionRecipe", "fp4_attention", "attention_forward", "register", "enable", "cache_recipes",
-           "quantize_rows"]
+__all__ = ["AttentionRecipe", "AttentionRNG", "fp4_attention", "attention_forward", "register", "enable",
+           "cache_recipes", "attention_rngs", "place_attention_rngs", "quantize_rows"]

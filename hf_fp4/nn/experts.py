@@ -33,8 +33,8 @@ from .autograd import FP4LinearFunction, output_dtype
 from .experts_autocast import autocast_experts
 from .grouped import grouped_projection, grouped_reason, segment_align
 from .grouping import group_layout
-from .linear import (FP4Linear, _crc, _notify, _shared_tensor, hadamard_signs, recomputing, seed_bases,
-                     step_value)
+from .linear import FP4Linear, _crc, _notify, _shared_tensor, hadamard_signs, seed_bases
+from .step_counter import call_step
 from ..numerics.formats import ELEMENT_BITS
 from .operands import BACKENDS, LinearPlan, plan_switch, plans_by_backend
 from .packing import packed_shapes, stored_scales
@@ -157,11 +157,10 @@ def fp4_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Te
     state: ExpertsFP4 = self.hf_fp4
     state.place(hidden_states.device)  # a no-op once there
     training = torch.is_grad_enabled()
-    again = training and recomputing()  # activation checkpointing's recompute: the first run's step, not advanced
-    step = step_value(state.step) - 1 if again else step_value(state.step)
+    step, advances = call_step(state.step)  # activation checkpointing's recompute: the first run's step, not advanced
     seeds = state._bases + step * STEP_MIX
     signs = state.signs(step)
-    if training and not again:
+    if advances:
         state.step.add_(1)
     up_name = "gate_up_proj" if self.has_gate else "up_proj"
     if state.grouped_reason(self, hidden_states) is None:

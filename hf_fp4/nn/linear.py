@@ -35,6 +35,7 @@ from ..numerics.philox import STEP_MIX, philox_signs, step_seed
 from .recipe import GEMMS, HadamardKind, LinearRecipe
 from ..numerics.scales import ScaleRule
 from .sharq import sharq_operands
+from .step_counter import recomputing, step_value
 
 # Observers see every quantized operand: fn(module, gemm_name, role, operand, quantized, spec).
 # Off the hot path (eager only): the list is empty unless a test or `hf_fp4.nn.diagnostics` registers one.
@@ -52,33 +53,6 @@ def observe_operands(fn: Callable):
 
 
 _SHARED: dict = {}
-
-
-@torch.library.custom_op("hf_fp4::step_snapshot", mutates_args=())
-def _step_snapshot(step: torch.Tensor) -> torch.Tensor:
-    return step.clone()
-
-
-@_step_snapshot.register_fake
-def _(step):
-    return torch.empty_like(step)
-
-
-def step_value(step: torch.Tensor) -> torch.Tensor:
-    """The step counter's value for one call's seeds and sign vectors, before the call advances it.  Under
-    torch.compile an opaque copy, which AOT autograd's partitioner saves rather than recomputes: otherwise it may
-    recompute the seeds in the backward graph from the counter itself -- advanced by then (the grouped experts' dy
-    noise came out of the next step's seeds under aot_eager on the CPU).  Eager: the counter itself."""
-    return _step_snapshot(step) if torch.compiler.is_compiling() else step
-
-
-def recomputing() -> bool:
-    """Whether this forward is activation checkpointing's recompute inside the backward (eager: the autograd engine
-    is running).  It must draw what the first run drew: the step counter's value minus one (the first run advanced
-    it), and it must not advance the counter again -- else the backward's SR noise comes from the next step's
-    seeds and every step moves the streams by two.  Under torch.compile the recompute is the partitioner's, on the
-    graph (see step_value)."""
-    return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
 
 
 def _shared_tensor(t: torch.Tensor, device) -> torch.Tensor:

@@ -9,6 +9,7 @@ from typing import Callable
 
 from torch import distributed, nn
 
+from .attention import attention_rngs
 from .experts import convert_experts, experts_states
 from .fp4_gather import FP4MasterWeight, WeightGather, orientation_bytes, weight_gather
 from .linear import FP4Linear
@@ -105,8 +106,9 @@ def set_fp8_gemms(model: nn.Module, enabled: bool) -> int:
 
 
 def _rng_modules(model: nn.Module) -> dict:
-    """Everything with an SR / random-Hadamard call counter: FP4 linears and FP4 experts."""
-    return {**fp4_modules(model), **experts_states(model)}
+    """Everything with an SR / random-Hadamard call counter: FP4 linears, FP4 experts and stochastically rounding
+    FP4 attention."""
+    return {**fp4_modules(model), **experts_states(model), **attention_rngs(model)}
 
 
 def rng_state_dict(model: nn.Module) -> dict[str, int]:

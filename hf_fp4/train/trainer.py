@@ -34,6 +34,7 @@ from ..nn.swap import (enable_fp4_all_gather, fp4_modules, load_rng_state_dict, 
 from ..files import atomic_write_text, replace_dir
 from .data import TokenWindows, fingerprint, prepare_data
 from ..nn.diagnostics import locate_non_finite
+from ..nn.attention import place_attention_rngs
 from ..nn.experts import experts_states, place_experts_state
 from ..extras import optional, source_digest, versions
 from ..hf.quantizer import FP4TrainConfig
@@ -388,6 +389,7 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> di
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg))
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     place_experts_state(accelerator.unwrap_model(model))
+    place_attention_rngs(accelerator.unwrap_model(model))
     state = RunState(accelerator.unwrap_model(model))
     accelerator.register_for_checkpointing(state)
 
