@@ -47,7 +47,7 @@ from ..numerics.philox import STEP_MIX
 from ..numerics.quantize import fake_quantize, quantize
 from ..numerics.scales import ScaleRule
 from ..numerics.spec import QuantSpec, as_spec
-from .step_counter import call_step
+from .step_counter import call_step, sr_calls_property
 
 TENSORS = ("q", "k", "v", "ds")
 IMPLEMENTATION = "hf_fp4"
@@ -471,13 +471,7 @@ class AttentionRNG:
         self.base = torch.tensor(zlib.crc32(f"attention/{layer_idx}".encode()), dtype=torch.int64, device=device)
         self.step = torch.zeros((), dtype=torch.int64, device=device)
 
-    @property
-    def sr_calls(self) -> int:
-        return int(self.step)
-
-    @sr_calls.setter
-    def sr_calls(self, value: int) -> None:
-        self.step.fill_(int(value))
+    sr_calls = sr_calls_property("step")
 
     def place(self, device) -> None:
         if self.step.device != torch.device(device):

@@ -34,7 +34,7 @@ from .experts_autocast import autocast_experts
 from .grouped import grouped_projection, grouped_reason, segment_align
 from .grouping import group_layout
 from .linear import FP4Linear, _crc, _notify, _shared_tensor, hadamard_signs, seed_bases
-from .step_counter import call_step
+from .step_counter import call_step, sr_calls_property
 from ..numerics.formats import ELEMENT_BITS
 from .operands import BACKENDS, LinearPlan, plan_switch, plans_by_backend
 from .packing import packed_shapes, stored_scales
@@ -106,13 +106,7 @@ class ExpertsFP4:
         backend = ("triton" if t.is_cuda else "reference") if self.backend == "auto" else self.backend
         return self.plans[backend]
 
-    @property
-    def sr_calls(self) -> int:
-        return int(self.step)
-
-    @sr_calls.setter
-    def sr_calls(self, value: int) -> None:
-        self.step.fill_(int(value))
+    sr_calls = sr_calls_property("step")
 
     def place(self, device) -> None:
         """The step counter, seed bases and fixed sign vectors on `device` (the forward does it on a call whose

@@ -35,7 +35,7 @@ from ..numerics.philox import STEP_MIX, philox_signs, step_seed
 from .recipe import GEMMS, HadamardKind, LinearRecipe
 from ..numerics.scales import ScaleRule
 from .sharq import sharq_operands
-from .step_counter import recomputing, step_value
+from .step_counter import recomputing, sr_calls_property, step_value
 
 # Observers see every quantized operand: fn(module, gemm_name, role, operand, quantized, spec).
 # Off the hot path (eager only): the list is empty unless a test or `hf_fp4.nn.diagnostics` registers one.
@@ -190,14 +190,7 @@ class FP4Linear(nn.Linear):
 
     # ------------------------------------------------------------------------------------------
     # Seeds and signs
-    @property
-    def sr_calls(self) -> int:
-        """Training forward calls so far (the step of the SR / per-step Hadamard streams)."""
-        return int(self._step)
-
-    @sr_calls.setter
-    def sr_calls(self, value: int) -> None:
-        self._step.fill_(int(value))
+    sr_calls = sr_calls_property("_step")  # the step of the SR / per-step Hadamard streams
 
     def seed_base(self, gemm_name: str, role: str) -> int:
         return _crc(self.seed, self.layer_name, gemm_name, role)

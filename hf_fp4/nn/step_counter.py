@@ -44,3 +44,16 @@ def call_step(counter: torch.Tensor) -> tuple[torch.Tensor, bool]:
     again = training and recomputing()
     step = step_value(counter)
     return (step - 1 if again else step), training and not again
+
+
+def sr_calls_property(counter: str) -> property:
+    """`sr_calls`, the training forward calls so far (the step of the layer's random streams), read and set through
+    the int64 step counter held in the attribute `counter`: what hf_fp4.rng_state_dict saves and restores."""
+
+    def get(self) -> int:
+        return int(getattr(self, counter))
+
+    def put(self, value: int) -> None:
+        getattr(self, counter).fill_(int(value))
+
+    return property(get, put, doc="Training forward calls so far: the step of the layer's random streams.")
