@@ -80,9 +80,10 @@ def compile_model(model: nn.Module, mode: str = "auto", backend: str = "inductor
     compiled whole.  Under a CUDA-graph mode call `torch.compiler.cudagraph_mark_step_begin()` before each
     training or evaluation forward (the trainer does).
     """
-    from .attention import cache_recipes
+    from .attention import cache_recipes, place_attention_rngs
 
     cache_recipes(model)  # FP4 attention's recipe built now: no graph break at a block's first compiled call
+    place_attention_rngs(model)  # (an SR recipe's counters on the model's device: not moved inside a graph)
     graphs = uses_cuda_graphs(mode, backend, model)
     mode = resolve_mode(mode, backend, model)
     opaque = graphs or not graph_safe(model)  # see the module docstring
