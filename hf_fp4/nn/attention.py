@@ -454,7 +454,6 @@ def _calls_attention(module: torch.nn.Module) -> bool:
     return type(module).__name__.endswith("Attention") and hasattr(module, "layer_idx")
 
 
-@torch.compiler.disable
 class AttentionRNG:
     """The Philox stream of one attention module's stochastically rounded tensors: a step counter (int64, on the
     module's device; advanced once per training forward, as FP4Linear's: hf_fp4.nn.step_counter) and a base from
