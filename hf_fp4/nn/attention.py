@@ -18,7 +18,8 @@ quantizers are straight-through.  Every format is a QuantSpec of an `AttentionRe
 `attention_forward` is registered with Transformers' attention interface as attn_implementation="hf_fp4"
 (causal, GQA, padding masks, sliding windows: it takes the boolean masks Transformers builds for SDPA), and
 `FP4TrainConfig(..., attention="nvfp4")` switches a model to it.  Stochastic-rounding specs draw their
-Philox seeds from the module's AttentionRNG (a device step counter, checkpointed with the linears').  The Triton flash kernels (`backend="triton"`; in a model
+Philox seeds from the module's AttentionRNG (a device step counter, checkpointed with the linears').  The Triton
+flash kernels (`backend="triton"`; in a model
 `config.hf_fp4_attention_backend`, "auto" by default: the kernels on CUDA, the reference elsewhere;
 hf_fp4.kernels.attention) compute the same without
 materialising S, P or dS: within the BF16 rounding of P and FP32 arithmetic of this reference, with dS

@@ -34,7 +34,7 @@ BACKENDS = ("inductor", "aot_eager", "eager")
 
 def graph_safe(model: nn.Module | None) -> bool:
     """False for a model with FP4 attention that reads the host (hf_fp4.nn.attention: the reference backend checks
-    for non-finite values there, and a stochastic-rounding recipe reads its seed, made on the device, there); the flash
+    for non-finite values there, and a stochastic-rounding recipe reads its device-made seed there); the flash
     kernels of a round-to-nearest recipe on CUDA read nothing there and replay under CUDA graphs (tests/
     test_attention.py, H100, 2026-12-06).  False for FP4 experts that run the per-expert loop (hf_fp4.nn.experts:
     it reads the routing counts on the host); experts whose every layer takes the grouped GEMMs with BF16
