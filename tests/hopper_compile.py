@@ -100,9 +100,9 @@ def quant_constants(name: str) -> dict:
 def backward_cases():
     for tc in (True, False):
         t = "*bf16" if tc else "*fp32"
-        types = {"q_ptr": t, "k_ptr": t, "v_ptr": t, "do_ptr": t, "keep_ptr": "*i8", "scale": "fp32", "seed": "i64",
-                 **{p: "*fp32" for p in ("dec_ptr", "delta_ptr", "lse_ptr", "stat_ptr", "dq_ptr", "dk_ptr", "dv_ptr",
-                                         "dbg_ptr")}}
+        types = {"q_ptr": t, "k_ptr": t, "v_ptr": t, "do_ptr": t, "keep_ptr": "*i8", "scale": "fp32",
+                 "seed_ptr": "*i64", **{p: "*fp32" for p in ("dec_ptr", "delta_ptr", "lse_ptr", "stat_ptr", "dq_ptr",
+                                                             "dk_ptr", "dv_ptr", "dbg_ptr")}}
         for name in ("nvfp4", "nvfp4_2d", "mxfp4"):
             bm, bn, warps = attention.BACKWARD_TILE if tc else attention.IEEE_TILE
             consts = dict(BM=bm, BN=bn, D=128, HAS_KEEP=True, CAUSAL=True, DEBUG=False, TC=tc, INTERPRETED=False,

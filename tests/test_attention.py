@@ -449,18 +449,21 @@ def sr_seed(layer: int, step: int) -> int:
     return (zlib.crc32(f"attention/{layer}".encode()) + step * 0x5851F42D4C957F2D) % (1 << 62)
 
 
-def test_stochastic_attention_in_a_model_draws_per_layer_from_a_step_counter():
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_stochastic_attention_in_a_model_draws_per_layer_from_a_step_counter(backend):
     """A stochastically rounding attention recipe in a model: each layer's call draws with the seed of its layer
     index and its training step (forward and backward: the output and the gradients of fp4_attention with that
     seed), the step advancing once per training forward and never under evaluation; two layers draw apart.
     Before: every layer drew from one host counter per module starting at 0 (the same noise in every layer),
-    advanced by evaluation, lost by a resumed run."""
+    advanced by evaluation, lost by a resumed run.  backend "triton": the operand kernels and the flash backward
+    take the seed as a device tensor (Triton's interpreter on the CPU), fp4_attention as an integer."""
     from transformers import AutoModelForCausalLM
 
     from hf_fp4.nn.attention import attention_forward, attention_rngs
 
     model = AutoModelForCausalLM.from_config(tiny_config(), quantization_config=hf_fp4.FP4TrainConfig(
         "bf16", attention=SR_ATTENTION))
+    model.config.hf_fp4_attention_backend = backend
     attn = [layer.self_attn for layer in model.model.layers]
     assert sorted(attention_rngs(model)) == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
     q, k, v = qkv(3)
@@ -477,7 +480,7 @@ def test_stochastic_attention_in_a_model_draws_per_layer_from_a_step_counter():
 
     def spec(layer, step):
         qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
-        out = fp4_attention(qq, kk, vv, None, D ** -0.5, SR_ATTENTION, sr_seed(layer, step), causal=True)
+        out = fp4_attention(qq, kk, vv, None, D ** -0.5, SR_ATTENTION, sr_seed(layer, step), backend, causal=True)
         out.backward(d_out)
         return out.detach(), (qq.grad, kk.grad, vv.grad)
 
@@ -534,6 +537,43 @@ def test_stochastic_attention_resumes_its_stream_and_compiles_without_recompilin
     with torch._dynamo.config.patch(error_on_recompile=True):
         assert losses(True) == eager and len(set(eager[0])) == 3
     torch._dynamo.reset()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_stochastic_attention_on_the_gpu_never_waits_for_it():
+    """On CUDA a model's stochastically rounded attention (the flash kernels) runs its forward and backward
+    without a host synchronisation -- the seed is made on the device and read there by the operand kernels and the
+    flash backward (torch.cuda.set_sync_debug_mode("error") raises on one) -- and computes what fp4_attention
+    does with the spec's seed given as an integer."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_fp4.nn.attention import attention_forward
+
+    model = AutoModelForCausalLM.from_config(tiny_config(), quantization_config=hf_fp4.FP4TrainConfig(
+        "bf16", attention=SR_ATTENTION)).cuda()
+    module = model.model.layers[1].self_attn
+    q, k, v = (t.detach().cuda() for t in qkv(6))
+    d_out = torch.randn(B, H, T, D, generator=torch.Generator().manual_seed(7)).to("cuda", torch.bfloat16)
+
+    def call(step):
+        qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+        if step is None:  # the module's stream
+            out = attention_forward(module, qq, kk, vv, None, scaling=D ** -0.5, is_causal=True)[0].transpose(1, 2)
+        else:
+            out = fp4_attention(qq, kk, vv, None, D ** -0.5, SR_ATTENTION, sr_seed(1, step), "triton", True)
+        out.backward(d_out)
+        return out.detach(), qq.grad, kk.grad, vv.grad
+
+    call(None)  # compiles the kernels (a first launch may synchronise)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = call(None)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert module._hf_fp4_attention_rng.sr_calls == 2
+    assert all(torch.equal(a, b) for a, b in zip(got, call(1)))
 
 
 def test_fullstack_is_every_piece_and_each_switches_off(corpus_files, tmp_path, monkeypatch):

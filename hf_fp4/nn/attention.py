@@ -52,6 +52,8 @@ from .step_counter import call_step, sr_calls_property
 
 TENSORS = ("q", "k", "v", "ds")
 IMPLEMENTATION = "hf_fp4"
+#: A Philox seed: a Python int, or a one-element int64 tensor on the data's device (a model's AttentionRNG).
+Seed = "int | torch.Tensor"
 
 
 @dataclass(frozen=True)
@@ -107,7 +109,7 @@ class AttentionRecipe:
         return {t: s.to_dict() if s is not None else "none" for t, s in self.specs().items()}
 
 
-def quantize_rows(x: torch.Tensor, spec: QuantSpec | None, seed: int) -> torch.Tensor:
+def quantize_rows(x: torch.Tensor, spec: QuantSpec | None, seed: Seed) -> torch.Tensor:
     """x [..., R, C] quantized with blocks along C and dequantized, in FP32 (x itself in FP32 for None).
     A 2D block never spans two of the leading matrices: R is zero-padded to the block height first."""
     x = x.float()
@@ -126,7 +128,7 @@ def _tensor_core(dtype: torch.dtype, spec: QuantSpec | None) -> bool:
     return spec.scale is not ScaleRule.FP32 if spec is not None else dtype == torch.bfloat16
 
 
-def tensor_core_operand(x: torch.Tensor, spec: QuantSpec | None, seed: int, backend: str = "reference"
+def tensor_core_operand(x: torch.Tensor, spec: QuantSpec | None, seed: Seed, backend: str = "reference"
                         ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(values in BF16, FP32 tensor decode scale) with values * decode == quantize_rows(x, spec, seed) bit for
     bit -- code x block scale has at most 8 significant bits -- or None where the values are not BF16-exact
@@ -148,8 +150,12 @@ def tensor_core_operand(x: torch.Tensor, spec: QuantSpec | None, seed: int, back
         plan = OperandPlan.single(spec, "bf16")
         # round to nearest: unused seeds made on the device, no host copy.  Made per call, never cached: a tensor
         # kept from the first call lives in the CUDA-graph pool when that call is a graph-tree warm-up (session 31)
-        seeds = (torch.tensor([seed, 0], dtype=torch.int64).to(x.device, non_blocking=True)
-                 if spec.rounding.value == "stochastic" else torch.zeros(2, dtype=torch.int64, device=x.device))
+        if spec.rounding.value != "stochastic":
+            seeds = torch.zeros(2, dtype=torch.int64, device=x.device)
+        elif isinstance(seed, torch.Tensor):  # a model's device seed (AttentionRNG): no host read
+            seeds = torch.cat([seed.reshape(1).to(x.device, torch.int64), seed.new_zeros(1, dtype=torch.int64)])
+        else:
+            seeds = torch.tensor([seed, 0], dtype=torch.int64).to(x.device, non_blocking=True)
         op = triton_operands(y2, (plan, None), seeds)[0]
         values, decode = op.data[:y2.shape[0], :y2.shape[1]], op.scale.reshape(())
     else:
@@ -159,7 +165,7 @@ def tensor_core_operand(x: torch.Tensor, spec: QuantSpec | None, seed: int, back
     return values.reshape(y.shape)[..., :rows, :], decode
 
 
-def _ds_operands(ds: torch.Tensor, spec: QuantSpec | None, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _ds_operands(ds: torch.Tensor, spec: QuantSpec | None, seed: Seed) -> tuple[torch.Tensor, torch.Tensor]:
     """dS for dQ (blocks along keys) and for dK (blocks along queries); one quantization when the spec's
     tiles are square (transposition-invariant)."""
     along_keys = quantize_rows(ds, spec, seed)
@@ -192,7 +198,7 @@ def _uses_tensor_cores(q, k, v, recipe: AttentionRecipe, backend: str) -> bool:
                                                                                           (v, "v")))
 
 
-def _forward(q, k, v, keep, scale: float, recipe: AttentionRecipe, seed: int, backend: str, causal: bool):
+def _forward(q, k, v, keep, scale: float, recipe: AttentionRecipe, seed: Seed, backend: str, causal: bool):
     """O [B, H, Tq, D] in q's dtype and what the backward reads: (Q^, K^, V^, decodes or None, lse or None)."""
     args = [(t, getattr(recipe, n), seed + i) for i, (t, n) in enumerate(((q, "q"), (k, "k"), (v, "v")))]
     # the flash kernels take exact BF16 values and tensor decodes; their product is the reference's values
@@ -215,7 +221,7 @@ def _forward(q, k, v, keep, scale: float, recipe: AttentionRecipe, seed: int, ba
     return out, (qh, kh, vh, decodes, lse)
 
 
-def _backward(d_out, qh, kh, vh, out, keep, decodes, lse, scale: float, recipe: AttentionRecipe, seed: int,
+def _backward(d_out, qh, kh, vh, out, keep, decodes, lse, scale: float, recipe: AttentionRecipe, seed: Seed,
               backend: str, causal: bool, dtypes) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     q_dtype, k_dtype, v_dtype = dtypes
     groups = qh.shape[1] // kh.shape[1]
@@ -264,10 +270,11 @@ def _own(t: torch.Tensor, *others: torch.Tensor) -> torch.Tensor:
     return t.clone() if any(ptr == o.untyped_storage().data_ptr() for o in others) and t.numel() else t
 
 
-def _seed_of(seed: int, seed_t: Optional[torch.Tensor]) -> int:
-    """The call's seed: `seed`, or the value of the device seed `seed_t` where one is given (a stochastic recipe in
-    a model: read on the host here, inside the op -- such a call is not graph-safe)."""
-    return int(seed_t) if seed_t is not None else seed
+def _seed_of(seed: int, seed_t: Optional[torch.Tensor]) -> Seed:
+    """The call's seed: `seed`, or the device seed `seed_t` where one is given (a stochastic recipe in a model),
+    which the quantizers take as it is -- the operand kernels and the flash backward load it, the reference draws
+    with it on its device: no host read."""
+    return seed_t if seed_t is not None else seed
 
 
 @torch.library.custom_op("hf_fp4::attention", mutates_args=())
@@ -349,7 +356,7 @@ def fp4_attention(q, k, v, keep=None, scale: float | None = None, recipe: "Atten
     q, k and v are first cast to its dtype, as SDPA's autocast rule casts them (the output is in that dtype, so
     the flash backward takes a BF16 dO on the tensor cores).  seed: the Philox seed of stochastically rounded
     tensors (q, k, v draw from seed, seed + 1, seed + 2; dS from seed + 3 and, for dK, seed + 4), a Python int or
-    a one-element int64 tensor (a model's call counter, see AttentionRNG: read inside the op)."""
+    a one-element int64 tensor on the device (a model's stream, see AttentionRNG: never read on the host)."""
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"fp4_attention: unknown backend {backend!r}; valid: {', '.join(ATTENTION_BACKENDS)}")
     if backend == "auto":
@@ -459,7 +466,7 @@ class AttentionRNG:
     """The Philox stream of one attention module's stochastically rounded tensors: a step counter (int64, on the
     module's device; advanced once per training forward, as FP4Linear's: hf_fp4.nn.step_counter) and a base from
     the module's layer index.  A call's seed is (base + step * STEP_MIX) mod 2^62, made on the device and read
-    inside the attention op, so that the layers draw distinct noise, a compiled block neither breaks its graph nor
+    there by the quantizers (no host synchronisation), so that the layers draw distinct noise, a compiled block neither breaks its graph nor
     recompiles per call, activation checkpointing's recompute draws what the first run drew, and a resumed run
     continues the stream (`sr_calls`, in hf_fp4.rng_state_dict).  Not a buffer: HF's meta-device loading leaves
     those uninitialised, and it is not a weight."""

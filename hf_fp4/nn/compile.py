@@ -34,9 +34,9 @@ BACKENDS = ("inductor", "aot_eager", "eager")
 
 def graph_safe(model: nn.Module | None) -> bool:
     """False for a model with FP4 attention that reads the host (hf_fp4.nn.attention: the reference backend checks
-    for non-finite values there, and a stochastic-rounding recipe reads its device-made seed there); the flash
-    kernels of a round-to-nearest recipe on CUDA read nothing there and replay under CUDA graphs (tests/
-    test_attention.py, H100, 2026-12-06).  False for FP4 experts that run the per-expert loop (hf_fp4.nn.experts:
+    for non-finite values there) and for a stochastic-rounding recipe (its seed is a device tensor since session
+    37, no host read, but no GPU has replayed one under CUDA graphs yet); the flash kernels of a round-to-nearest
+    recipe on CUDA read nothing there and replay under CUDA graphs (tests/test_attention.py, H100, 2026-12-06).  False for FP4 experts that run the per-expert loop (hf_fp4.nn.experts:
     it reads the routing counts on the host); experts whose every layer takes the grouped GEMMs with BF16
     activations (ExpertsFP4.layer_reason: no host read) are graph-safe."""
     from .attention import AttentionRecipe

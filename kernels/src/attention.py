@@ -352,7 +352,7 @@ def _decodes(dec_ptr, stat_ptr, scale, QUANT: tl.constexpr, SCALE: tl.constexpr,
 
 @triton.jit
 def _lse_kernel(q_ptr, k_ptr, v_ptr, dec_ptr, do_ptr, delta_ptr, lse_ptr, stat_ptr, keep_ptr,
-                dq_ptr, dk_ptr, dv_ptr, dbg_ptr, seed, H, G, TQ, TK, TQ_ROWS, TK_ROWS, KP_Q, KP_K, scale,
+                dq_ptr, dk_ptr, dv_ptr, dbg_ptr, seed_ptr, H, G, TQ, TK, TQ_ROWS, TK_ROWS, KP_Q, KP_K, scale,
                 sm_b, sm_h, sm_q, sm_k,
                 BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, HAS_KEEP: tl.constexpr, CAUSAL: tl.constexpr,
                 PHASE: tl.constexpr, QUANT: tl.constexpr, SQUARE: tl.constexpr, BR: tl.constexpr,
@@ -414,7 +414,7 @@ def _dq_step(dq, amax, start, q, do, lse, delta, k_ptr, v_ptr, kb, keep_ptr, mb,
 
 @triton.jit
 def _dq_kernel(q_ptr, k_ptr, v_ptr, dec_ptr, do_ptr, delta_ptr, lse_ptr, stat_ptr, keep_ptr,
-               dq_ptr, dk_ptr, dv_ptr, dbg_ptr, seed, H, G, TQ, TK, TQ_ROWS, TK_ROWS, KP_Q, KP_K, scale,
+               dq_ptr, dk_ptr, dv_ptr, dbg_ptr, seed_ptr, H, G, TQ, TK, TQ_ROWS, TK_ROWS, KP_Q, KP_K, scale,
                sm_b, sm_h, sm_q, sm_k,
                BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, HAS_KEEP: tl.constexpr, CAUSAL: tl.constexpr,
                PHASE: tl.constexpr, QUANT: tl.constexpr, SQUARE: tl.constexpr, BR: tl.constexpr,
@@ -423,6 +423,7 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, dec_ptr, do_ptr, delta_ptr, lse_ptr, stat_pt
                DEBUG: tl.constexpr, TC: tl.constexpr, INTERPRETED: tl.constexpr):
     """Phase 1 (dS's tensor amax, atomic) or 2 (dQ = Q_keys(dS) K^ scale) for a block of query rows."""
     pid, pid_bh = tl.program_id(0), tl.program_id(1)
+    seed = tl.load(seed_ptr)  # dS's Philox seed (int64), read on the device: no host read per call
     dec_q, dec_k, dec_v, s_scale, ds_dec = _decodes(dec_ptr, stat_ptr, scale, QUANT and PHASE == 2, SCALE, QMAX)
     b, h = pid_bh // H, pid_bh % H
     d = tl.arange(0, D)
@@ -507,7 +508,7 @@ def _dkdv_step(dk, dv, start, pid, pid_bh, cols, k, v, q_ptr, do_ptr, lse_ptr, d
 
 @triton.jit
 def _dkdv_kernel(q_ptr, k_ptr, v_ptr, dec_ptr, do_ptr, delta_ptr, lse_ptr, stat_ptr, keep_ptr,
-                 dq_ptr, dk_ptr, dv_ptr, dbg_ptr, seed, H, G, TQ, TK, TQ_ROWS, TK_ROWS, KP_Q, KP_K, scale,
+                 dq_ptr, dk_ptr, dv_ptr, dbg_ptr, seed_ptr, H, G, TQ, TK, TQ_ROWS, TK_ROWS, KP_Q, KP_K, scale,
                  sm_b, sm_h, sm_q, sm_k,
                  BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, HAS_KEEP: tl.constexpr, CAUSAL: tl.constexpr,
                  PHASE: tl.constexpr, QUANT: tl.constexpr, SQUARE: tl.constexpr, BR: tl.constexpr,
@@ -516,6 +517,7 @@ def _dkdv_kernel(q_ptr, k_ptr, v_ptr, dec_ptr, do_ptr, delta_ptr, lse_ptr, stat_
                  DEBUG: tl.constexpr, TC: tl.constexpr, INTERPRETED: tl.constexpr):
     """Phase 3: dK = Q_queries(dS)^T Q^ scale and dV = bf16(P)^T dO for a block of keys."""
     pid, pid_bh = tl.program_id(0), tl.program_id(1)
+    seed = tl.load(seed_ptr)  # (as _dq_kernel's)
     dec_q, dec_k, dec_v, s_scale, ds_dec = _decodes(dec_ptr, stat_ptr, scale, QUANT, SCALE, QMAX)
     b, h = pid_bh // H, pid_bh % H
     d = tl.arange(0, D)
@@ -548,15 +550,17 @@ def _dkdv_kernel(q_ptr, k_ptr, v_ptr, dec_ptr, do_ptr, delta_ptr, lse_ptr, stat_
     tl.store(dv_ptr + ob + cols[:, None] * D + d[None, :], dv, mask=cols[:, None] < TK)
 
 
-def flash_backward(qh, kh, vh, out, d_out, keep, scale: float, ds_spec, seed: int, decodes: torch.Tensor | None = None,
+def flash_backward(qh, kh, vh, out, d_out, keep, scale: float, ds_spec, seed: "int | torch.Tensor",
+                   decodes: torch.Tensor | None = None,
                    tile: tuple[int, ...] | dict[int, tuple[int, ...]] | None = None, debug: bool = False,
                    causal: bool = False, lse: torch.Tensor | None = None):
     """dQ, dK, dV in FP32, all [B, H, T, D] (dK, dV per query head: a key head's gradient is the sum over its G
     query heads) of hf_fp4.nn.attention's backward, from the saved Q^, K^, V^
     (FP32 values, or exact BF16 values with their tensor `decodes` [3] as flash_forward takes them), the forward
-    output and dO; ds_spec: dS's QuantSpec (None: high precision).  The tensor cores run every GEMM when the
-    operands are BF16 and so is dO (products exact, FP32 sums; tensor scales applied after); otherwise IEEE FP32
-    dots.  causal: as flash_forward's.  debug: also the unquantized dS [B, H, TQ, TK] the kernels computed (tests).
+    output and dO; ds_spec: dS's QuantSpec (None: high precision); seed: dS's Philox seed (along keys; seed + 1
+    along queries), an int or a one-element int64 tensor on the device (read by the kernels: no host read).  The
+    tensor cores run every GEMM when the operands are BF16 and so is dO (products exact, FP32 sums; tensor scales
+    applied after); otherwise IEEE FP32 dots.  causal: as flash_forward's.  debug: also the unquantized dS [B, H, TQ, TK] the kernels computed (tests).
     lse: the forward's log-sum-exp (flash_forward(..., return_lse=True)); None: recomputed (phase 0).
     tile: one tile for every phase, or {phase: tile} (phases 0-3, see above; a phase not named takes the default):
     the phases' tiles are independent -- dS is quantized in 16-wide blocks and its SR noise drawn by coordinates, and
@@ -620,7 +624,9 @@ def flash_backward(qh, kh, vh, out, d_out, keep, scale: float, ds_spec, seed: in
         kp_q, kp_k = tk + (-tk % bc), tq + (-tq % bc)
     quant.pop("EMIN", None)
     quant.pop("MBITS", None)
-    args = (qh, kh, vh, decodes.float().contiguous(), do, delta, lse, stat, keep_t, dq, dk, dv, dbg, seed, heads,
+    seed_t = (seed.reshape(1).to(device=dev, dtype=torch.int64) if isinstance(seed, torch.Tensor)
+              else torch.full((1,), int(seed), dtype=torch.int64, device=dev))  # a fill kernel, no copy
+    args = (qh, kh, vh, decodes.float().contiguous(), do, delta, lse, stat, keep_t, dq, dk, dv, dbg, seed_t, heads,
             groups, tq, tk, rows_q, rows_k, kp_q, kp_k,
             float(scale), *mask_strides)
     consts = dict(D=dim, HAS_KEEP=keep is not None, CAUSAL=causal, DEBUG=debug, TC=tc, INTERPRETED=not qh.is_cuda,
