@@ -715,14 +715,17 @@ def test_a_block_with_fp4_attention_compiles_without_a_graph_break_from_its_firs
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize("config", [dict(recipe="nvfp4", attention="nvfp4"), dict(recipe="fullstack")], ids=str)
+@pytest.mark.parametrize("config", [dict(recipe="nvfp4", attention="nvfp4"), dict(recipe="fullstack"),
+                                    pytest.param(dict(recipe="nvfp4", attention=SR_ATTENTION), id="sr-attention")],
+                         ids=str)
 def test_fp4_attention_blocks_replay_under_cuda_graphs_with_plain_inductors_values(config):
     """A model with round-to-nearest FP4 attention (the flash kernels) compiled under CUDA graphs
     (reduce-overhead) captures every block -- no skipped graph -- and over three steps of new batches gives the loss
     and gradients of the same blocks compiled without graphs, bit for bit (a replay that kept the first batch, or a
     host read inside the capture, would not).  The graphs run first, so a tensor a kernel path kept from its first
     call would sit in their pool (the fullstack study's first step failed that way in session 31); the fullstack
-    preset adds LoRA-SVD factors to every linear."""
+    preset adds LoRA-SVD factors to every linear.  sr-attention: stochastically rounded Q, K, V and dS, the seed a
+    device tensor from the layers' step counters (session 37) -- graph_safe admits SR attention once this passes."""
     import torch._dynamo
     from torch._dynamo.utils import counters
     from transformers import AutoModelForCausalLM
