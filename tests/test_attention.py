@@ -496,6 +496,31 @@ def test_stochastic_attention_in_a_model_draws_per_layer_from_a_step_counter(bac
     assert counters == {"model.layers.0.self_attn": 2, "model.layers.1.self_attn": 1}  # beside the linears
 
 
+def test_a_module_of_any_class_that_calls_stochastic_attention_gets_its_own_stream():
+    """A module that calls attn_implementation="hf_fp4" but is no `...Attention` class with a layer index (which
+    enable() equips beforehand) gets its AttentionRNG at its first call, and draws like layer None's spec."""
+    from transformers import LlamaConfig
+
+    from hf_fp4.nn.attention import attention_forward, enable
+
+    class Mixer(torch.nn.Module):  # holds the config, as Transformers' attention modules do
+        def __init__(self):
+            super().__init__()
+            self.config = LlamaConfig(hidden_size=64, num_attention_heads=4)
+            self.proj = torch.nn.Linear(4, 4)
+
+    holder = torch.nn.Module()
+    holder.config, holder.mixer = LlamaConfig(), Mixer()
+    holder.mixer.config = holder.config
+    enable(holder, SR_ATTENTION)
+    assert not hasattr(holder.mixer, "_hf_fp4_attention_rng")  # not taken for an attention module beforehand
+    q, k, v = (t.detach() for t in qkv(8))
+    with torch.no_grad():  # evaluation: step 0, not advanced
+        out = attention_forward(holder.mixer, q, k, v, None, scaling=D ** -0.5, is_causal=True)[0].transpose(1, 2)
+    assert holder.mixer._hf_fp4_attention_rng.sr_calls == 0
+    assert torch.equal(out, fp4_attention(q, k, v, None, D ** -0.5, SR_ATTENTION, sr_seed(None, 0), causal=True))
+
+
 def test_stochastic_attention_resumes_its_stream_and_compiles_without_recompiling(corpus_files, tmp_path):
     """The trainer with a stochastically rounding attention recipe: a run stopped at step 3 and resumed logs the
     uninterrupted run's losses bit for bit (the attention counters travel in the checkpoint's RNG state), and a

@@ -432,12 +432,20 @@ def _cache_recipe(module: torch.nn.Module, value, calls_attention: bool = True) 
     A stochastic recipe gives a module that calls the attention function its AttentionRNG."""
     recipe = AttentionRecipe.build(value)
     module._hf_fp4_attention_recipe = (value, recipe, recipe_key(recipe))
-    if (recipe.stochastic and calls_attention
-            and not isinstance(getattr(module, "_hf_fp4_attention_rng", None), AttentionRNG)):
+    if recipe.stochastic and calls_attention:
+        _module_rng(module)
+    return module._hf_fp4_attention_recipe
+
+
+@torch.compiler.disable
+def _module_rng(module: torch.nn.Module) -> "AttentionRNG":
+    """The module's AttentionRNG, made on its parameters' device (the CPU on meta) where it has none yet."""
+    rng = getattr(module, "_hf_fp4_attention_rng", None)
+    if not isinstance(rng, AttentionRNG):
         param = next(module.parameters(), None)
         device = param.device if param is not None and param.device.type != "meta" else "cpu"
-        module._hf_fp4_attention_rng = AttentionRNG(getattr(module, "layer_idx", None), device)
-    return module._hf_fp4_attention_recipe
+        rng = module._hf_fp4_attention_rng = AttentionRNG(getattr(module, "layer_idx", None), device)
+    return rng
 
 
 def cache_recipes(model: torch.nn.Module) -> int:
@@ -510,8 +518,10 @@ def place_attention_rngs(model: torch.nn.Module) -> None:
 
 
 def _stochastic_attention(module, query, key, value, keep, scaling, key_json, backend, causal):
-    """fp4_attention seeded from the module's AttentionRNG (made with its recipe: _cache_recipe)."""
-    seed = module._hf_fp4_attention_rng.seed(query.device)
+    """fp4_attention seeded from the module's AttentionRNG (made with its recipe, _cache_recipe, or at a first call
+    from a module `cache_recipes` did not take for an attention module)."""
+    rng = getattr(module, "_hf_fp4_attention_rng", None)
+    seed = (rng if rng is not None else _module_rng(module)).seed(query.device)
     return fp4_attention(query, key, value, keep, scaling, key_json, seed, backend, causal)
 
 
