@@ -441,7 +441,7 @@ SR = {**QuantSpec.preset("nvfp4").to_dict(), "rounding": "stochastic"}
 SR_ATTENTION = {"q": SR, "k": SR, "v": SR, "ds": SR}
 
 
-def sr_seed(layer: int, step: int) -> int:
+def sr_seed(layer: int | None, step: int) -> int:
     """The spec of a model's stochastic attention seeds, in Python integers: (crc32("attention/<layer index>") +
     step * 0x5851F42D4C957F2D) mod 2^62 at the layer's step-th training call."""
     import zlib
@@ -525,7 +525,7 @@ def test_stochastic_attention_resumes_its_stream_and_compiles_without_recompilin
     """The trainer with a stochastically rounding attention recipe: a run stopped at step 3 and resumed logs the
     uninterrupted run's losses bit for bit (the attention counters travel in the checkpoint's RNG state), and a
     block compiled with fullgraph=True gives the eager losses step after step without recompiling (the seed is a
-    device tensor read inside the op, not a host integer the graph would specialise on)."""
+    device tensor the quantizers read, not a host integer the graph would specialise on)."""
     import torch._dynamo
     from test_pretrain import records, tiny_cfg
     from transformers import AutoModelForCausalLM
