@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 
 from hf_fp4.nn.compile import compile_model
-from hf_fp4.nn.experts import experts_modules, place_experts_state
+from hf_fp4.nn.experts import experts_modules
 from hf_fp4.nn.grouping import group_layout
-from hf_fp4.nn.swap import load_rng_state_dict, rng_state_dict
+from hf_fp4.nn.swap import load_rng_state_dict, place_rng_states, rng_state_dict
 from hf_fp4.train import trainer
 from hf_fp4.train.config import TrainConfig, apply_overrides
 from hf_fp4.train.study import load_study
@@ -57,7 +57,7 @@ def fresh_model(cfg: TrainConfig, captured: dict, device):
     model = trainer.build_model(cfg, cfg.vocab_size)
     model.load_state_dict(captured["state"])
     model.to(device).train()
-    place_experts_state(model)  # as the trainer does
+    place_rng_states(model)  # as the trainer does
     load_rng_state_dict(model, captured["rng"])
     return model
 

@@ -442,10 +442,15 @@ def _module_rng(module: torch.nn.Module) -> "AttentionRNG":
     """The module's AttentionRNG, made on its parameters' device (the CPU on meta) where it has none yet."""
     rng = getattr(module, "_hf_fp4_attention_rng", None)
     if not isinstance(rng, AttentionRNG):
-        param = next(module.parameters(), None)
-        device = param.device if param is not None and param.device.type != "meta" else "cpu"
-        rng = module._hf_fp4_attention_rng = AttentionRNG(getattr(module, "layer_idx", None), device)
+        rng = module._hf_fp4_attention_rng = AttentionRNG(getattr(module, "layer_idx", None),
+                                                          _weights_device(module) or "cpu")
     return rng
+
+
+def _weights_device(module: torch.nn.Module) -> torch.device | None:
+    """The device of the module's parameters (None where it has none or they are on the meta device)."""
+    param = next(module.parameters(), None)
+    return param.device if param is not None and param.device.type != "meta" else None
 
 
 def cache_recipes(model: torch.nn.Module) -> int:
@@ -474,10 +479,10 @@ class AttentionRNG:
     """The Philox stream of one attention module's stochastically rounded tensors: a step counter (int64, on the
     module's device; advanced once per training forward, as FP4Linear's: hf_fp4.nn.step_counter) and a base from
     the module's layer index.  A call's seed is (base + step * STEP_MIX) mod 2^62, made on the device and read
-    there by the quantizers (no host synchronisation), so that the layers draw distinct noise, a compiled block neither breaks its graph nor
-    recompiles per call, activation checkpointing's recompute draws what the first run drew, and a resumed run
-    continues the stream (`sr_calls`, in hf_fp4.rng_state_dict).  Not a buffer: HF's meta-device loading leaves
-    those uninitialised, and it is not a weight."""
+    there by the quantizers (no host synchronisation), so that the layers draw distinct noise, a compiled block
+    neither breaks its graph nor recompiles per call, activation checkpointing's recompute draws what the first run
+    drew, and a resumed run continues the stream (`sr_calls`, in hf_fp4.rng_state_dict).  Not a buffer: HF's
+    meta-device loading leaves those uninitialised, and it is not a weight."""
 
     SEED_MASK = (1 << 62) - 1  # seed + 4 (dK's dS) stays an int64
 
@@ -512,9 +517,8 @@ def place_attention_rngs(model: torch.nn.Module) -> None:
     """Each AttentionRNG on its module's device, eagerly: after the model is moved (the counter is not a buffer),
     before a compiled first call would move it inside its graph."""
     for name, rng in attention_rngs(model).items():
-        param = next(model.get_submodule(name).parameters(), None)
-        if param is not None and param.device.type != "meta":
-            rng.place(param.device)
+        if (device := _weights_device(model.get_submodule(name))) is not None:
+            rng.place(device)
 
 
 def _stochastic_attention(module, query, key, value, keep, scaling, key_json, backend, causal):

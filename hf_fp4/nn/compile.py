@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .swap import fp4_modules
+from .swap import fp4_modules, place_rng_states
 
 MODES = ("auto", "default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
@@ -36,9 +36,10 @@ def graph_safe(model: nn.Module | None) -> bool:
     """False for a model with FP4 attention that reads the host (hf_fp4.nn.attention: the reference backend checks
     for non-finite values there) and for a stochastic-rounding recipe (its seed is a device tensor since session
     37, no host read, but no GPU has replayed one under CUDA graphs yet); the flash kernels of a round-to-nearest
-    recipe on CUDA read nothing there and replay under CUDA graphs (tests/test_attention.py, H100, 2026-12-06).  False for FP4 experts that run the per-expert loop (hf_fp4.nn.experts:
-    it reads the routing counts on the host); experts whose every layer takes the grouped GEMMs with BF16
-    activations (ExpertsFP4.layer_reason: no host read) are graph-safe."""
+    recipe on CUDA read nothing there and replay under CUDA graphs (tests/test_attention.py, H100, 2026-12-06).
+    False for FP4 experts that run the per-expert loop (hf_fp4.nn.experts: it reads the routing counts on the
+    host); experts whose every layer takes the grouped GEMMs with BF16 activations (ExpertsFP4.layer_reason: no
+    host read) are graph-safe."""
     from .attention import AttentionRecipe
     from .experts import experts_modules
 
@@ -80,10 +81,10 @@ def compile_model(model: nn.Module, mode: str = "auto", backend: str = "inductor
     compiled whole.  Under a CUDA-graph mode call `torch.compiler.cudagraph_mark_step_begin()` before each
     training or evaluation forward (the trainer does).
     """
-    from .attention import cache_recipes, place_attention_rngs
+    from .attention import cache_recipes
 
     cache_recipes(model)  # FP4 attention's recipe built now: no graph break at a block's first compiled call
-    place_attention_rngs(model)  # (an SR recipe's counters on the model's device: not moved inside a graph)
+    place_rng_states(model)  # the experts' and SR attention's counters on the model's device, not in a graph
     graphs = uses_cuda_graphs(mode, backend, model)
     mode = resolve_mode(mode, backend, model)
     opaque = graphs or not graph_safe(model)  # see the module docstring

@@ -110,7 +110,8 @@ class ExpertsFP4:
 
     def place(self, device) -> None:
         """The step counter, seed bases and fixed sign vectors on `device` (the forward does it on a call whose
-        input lies elsewhere; place_experts_state does it eagerly, before a compiled first call would)."""
+        input lies elsewhere; place_experts_state (swap.place_rng_states) does it eagerly, before a compiled first
+        call would)."""
         if self.step.device != torch.device(device):
             self.step = self.step.to(device)
             self._bases = self._bases.to(device)

@@ -9,8 +9,8 @@ from typing import Callable
 
 from torch import distributed, nn
 
-from .attention import attention_rngs
-from .experts import convert_experts, experts_states
+from .attention import attention_rngs, place_attention_rngs
+from .experts import convert_experts, experts_states, place_experts_state
 from .fp4_gather import FP4MasterWeight, WeightGather, orientation_bytes, weight_gather
 from .linear import FP4Linear
 from .recipe import GEMMS, LinearRecipe, Recipe, block_index
@@ -109,6 +109,14 @@ def _rng_modules(model: nn.Module) -> dict:
     """Everything with an SR / random-Hadamard call counter: FP4 linears, FP4 experts and stochastically rounding
     FP4 attention."""
     return {**fp4_modules(model), **experts_states(model), **attention_rngs(model)}
+
+
+def place_rng_states(model: nn.Module) -> None:
+    """The step counters that are not module buffers (the FP4 experts' states, SR attention's AttentionRNGs) on
+    their modules' devices, eagerly: after the model is moved, before a compiled first call would move them inside
+    its graph.  (FP4Linear's counter follows Module.to() itself.)"""
+    place_experts_state(model)
+    place_attention_rngs(model)
 
 
 def rng_state_dict(model: nn.Module) -> dict[str, int]:

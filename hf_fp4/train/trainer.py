@@ -29,13 +29,12 @@ import yaml
 from ..nn.compile import CUDA_GRAPH_MODES, compile_model, uses_cuda_graphs
 from ..nn import lora_svd
 from ..nn.fp4_gather import precompute_fp4_amax
-from ..nn.swap import (enable_fp4_all_gather, fp4_modules, load_rng_state_dict, rng_state_dict, run_gemms_in_bf16,
-                       set_fp8_gemms)
+from ..nn.swap import (enable_fp4_all_gather, fp4_modules, load_rng_state_dict, place_rng_states, rng_state_dict,
+                       run_gemms_in_bf16, set_fp8_gemms)
 from ..files import atomic_write_text, replace_dir
 from .data import TokenWindows, fingerprint, prepare_data
 from ..nn.diagnostics import locate_non_finite
-from ..nn.attention import place_attention_rngs
-from ..nn.experts import experts_states, place_experts_state
+from ..nn.experts import experts_states
 from ..extras import optional, source_digest, versions
 from ..hf.quantizer import FP4TrainConfig
 from ..optim import build_optimizer, param_groups
@@ -388,8 +387,7 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> di
     optimizer = build_optimizer(optimizer_name, groups, cfg.lr, (cfg.beta1, cfg.beta2), cfg.optimizer_options)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg))
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-    place_experts_state(accelerator.unwrap_model(model))
-    place_attention_rngs(accelerator.unwrap_model(model))
+    place_rng_states(accelerator.unwrap_model(model))
     state = RunState(accelerator.unwrap_model(model))
     accelerator.register_for_checkpointing(state)
 

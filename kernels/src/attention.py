@@ -560,7 +560,8 @@ def flash_backward(qh, kh, vh, out, d_out, keep, scale: float, ds_spec, seed: "i
     output and dO; ds_spec: dS's QuantSpec (None: high precision); seed: dS's Philox seed (along keys; seed + 1
     along queries), an int or a one-element int64 tensor on the device (read by the kernels: no host read).  The
     tensor cores run every GEMM when the operands are BF16 and so is dO (products exact, FP32 sums; tensor scales
-    applied after); otherwise IEEE FP32 dots.  causal: as flash_forward's.  debug: also the unquantized dS [B, H, TQ, TK] the kernels computed (tests).
+    applied after); otherwise IEEE FP32 dots.  causal: as flash_forward's.  debug: also the unquantized dS
+    [B, H, TQ, TK] the kernels computed (tests).
     lse: the forward's log-sum-exp (flash_forward(..., return_lse=True)); None: recomputed (phase 0).
     tile: one tile for every phase, or {phase: tile} (phases 0-3, see above; a phase not named takes the default):
     the phases' tiles are independent -- dS is quantized in 16-wide blocks and its SR noise drawn by coordinates, and
